@@ -1,0 +1,68 @@
+"""Ablation figures: orchestration plan, data reordering, data preprocessing placement.
+
+Each reads only records tagged `tags.experiment == <ablation>`; the variant comes from the
+record (tags.plan_kind, config.data.reorder, config.data.preprocess).
+"""
+from __future__ import annotations
+
+import seaborn as sns
+
+from analysis.load import COMPARE_KEYS, ok, ordered
+from analysis.style import NoData, bars, figure, legend_handles, new_figure, panel_legend, with_groups
+
+GROUP_XLABEL = "workload · data profile · devices (count)"
+
+
+def _ablation(data, experiment: str, variant: str, variants: tuple, panels: list, title: str,
+              legend_title: str, colors: str):
+    runs = data.runs
+    df = ok(runs[runs["experiment"] == experiment])
+    df = df[df[variant].notna()]
+    if df.empty:
+        raise NoData(f'no ok record tagged experiment="{experiment}" that names its {variant}')
+    best = df.loc[df.groupby(COMPARE_KEYS + ["system", variant])["samples_per_s"].idxmax()]
+    panels = [p for p in panels if best[p[0]].notna().any()]
+    present = ordered(best[variant], variants)
+    palette = dict(zip(present, sns.color_palette(colors, len(present) + 1)[1:]))
+    best, order = with_groups(best, with_system=best["system"].nunique() > 1, with_mode=True)
+    fig, axes = new_figure(ncols=len(panels))
+    for ax, (col, ylabel, scale) in zip(axes, panels):
+        value = best.assign(value=best[col] * scale).dropna(subset=["value"])
+        bars(ax, value, "group", "value", variant, order, present, palette)
+        ax.set_xlabel(GROUP_XLABEL)
+        ax.set_ylabel(ylabel)
+        ax.set_title(ylabel.split(" (")[0])
+    simulated = (best["mode"] == "simulated").any()
+    panel_legend(fig, legend_handles(palette, simulated), legend_title)
+    fig.suptitle(title + (" (includes simulated)" if simulated else ""))
+    return fig
+
+
+THROUGHPUT = ("samples_per_s", "throughput (samples/s)", 1.0)
+
+
+@figure("orchestration", "Ablation: DistTrain's searched orchestration plan ('auto') against "
+        "a naive plan, same workload and devices (experiment=orchestration).")
+def orchestration(data):
+    return _ablation(data, "orchestration", "plan_kind", ("naive", "auto"),
+                     [THROUGHPUT, ("mfu", "MFU (%)", 100.0)],
+                     "Ablation: orchestration plan", "plan", "Greens")
+
+
+@figure("reorder", "Ablation: data reordering (none / intra-microbatch / inter-microbatch / "
+        "both): throughput and encoder load imbalance across data-parallel ranks "
+        "(experiment=reorder).")
+def reorder(data):
+    return _ablation(data, "reorder", "reorder", ("none", "intra", "inter", "both"),
+                     [THROUGHPUT, ("encoder_load_imbalance",
+                                   "encoder load imbalance (dimensionless)", 1.0)],
+                     "Ablation: data reordering", "reorder", "Blues")
+
+
+@figure("preprocess", "Ablation: data preprocessing colocated with training against "
+        "disaggregated preprocessing: share of step time spent waiting for data, and "
+        "throughput (experiment=preprocess).")
+def preprocess(data):
+    return _ablation(data, "preprocess", "preprocess", ("colocated", "disaggregated"),
+                     [("data_wait_fraction", "data wait (% of step time)", 100.0), THROUGHPUT],
+                     "Ablation: data preprocessing placement", "preprocessing", "Oranges")

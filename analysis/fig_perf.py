@@ -1,0 +1,136 @@
+"""Headline figures: throughput, MFU, speedup over Megatron, scaling with device count."""
+from __future__ import annotations
+
+import pandas as pd
+import seaborn as sns
+from matplotlib.lines import Line2D
+
+from analysis.load import BASELINE, COMPARE_KEYS, WORKLOAD_ORDER, best_layouts
+from analysis.style import (FIGSIZE, PROFILE_SHORT, NoData, bars, figure, legend_handles, mode_title, modes_in,
+                            new_figure, panel_legend, system_palette, with_groups)
+
+GROUP_XLABEL = "workload · data profile · devices (count)"
+
+
+def headline_groups(best: pd.DataFrame) -> pd.DataFrame:
+    """One device count per workload, profile and mode: the one most systems ran (then the
+    largest); the other counts are in the scaling figure and the summary table."""
+    keys = ["workload", "data_profile", "mode"]
+    n = best.groupby(keys + ["num_devices"])["system"].nunique().rename("n").reset_index()
+    pick = n.sort_values(["n", "num_devices"]).groupby(keys).tail(1)
+    return best.merge(pick[keys + ["num_devices"]], on=keys + ["num_devices"])
+
+
+def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, log_ok=True):
+    """One panel per mode (measured above simulated), bars per system grouped by model size."""
+    value = headline_groups(value)
+    modes = modes_in(value)
+    palette = system_palette(value["system"])
+    fig, axes = new_figure(nrows=len(modes), size=(FIGSIZE[0], 1.2 + 2.9 * len(modes)))
+    for ax, mode in zip(axes, modes):
+        df, order = with_groups(value[value["mode"] == mode])
+        hue_order = [s for s in palette if s in set(df["system"])]
+        bars(ax, df, "group", "value", "system", order, hue_order, palette,
+             annotate=annotate, skip_annotate=(BASELINE,))
+        positive = df["value"][df["value"] > 0]
+        log = log_ok and len(positive) and positive.max() / positive.min() > 30
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(mode_title(mode))
+        ax.set_ylabel(ylabel + (", log scale" if log else ""))
+        ax.set_xlabel("")
+    axes[-1].set_xlabel(GROUP_XLABEL)
+    fig.suptitle(title)
+    panel_legend(fig, legend_handles(palette, "simulated" in modes), "system")
+    return fig
+
+
+@figure("throughput", "Training throughput (samples/s) of the fastest layout of each system, "
+        "grouped by model size (at the device count most systems ran); simulated results "
+        "(hatched) are drawn in their own panel.")
+def throughput(data):
+    best = best_layouts(data.runs)
+    if best.empty:
+        raise NoData("no ok record with samples_per_s")
+    return _system_bars(best.assign(value=best["samples_per_s"]), "throughput (samples/s)",
+                        "Training throughput, best layout per system")
+
+
+@figure("mfu", "Model FLOPs utilization (% of the peak FLOP/s of all devices) of the fastest "
+        "layout of each system, grouped by model size; simulated results (hatched) in their "
+        "own panel.")
+def mfu(data):
+    best = best_layouts(data.runs)
+    best = best[best["mfu"].notna()] if not best.empty else best
+    if best.empty:
+        raise NoData("no ok record with mfu")
+    return _system_bars(best.assign(value=best["mfu"] * 100), "MFU (%)",
+                        "Model FLOPs utilization, best layout per system", log_ok=False)
+
+
+def speedup_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Best layout of each system over the best Megatron layout, per comparison group."""
+    best = best_layouts(runs)
+    if best.empty:
+        return best
+    base = best[best["system"] == BASELINE].set_index(COMPARE_KEYS)["samples_per_s"]
+    ref = base.reindex(pd.MultiIndex.from_frame(best[COMPARE_KEYS])).to_numpy()
+    out = best.assign(value=best["samples_per_s"].to_numpy() / ref)
+    return out[out["value"].notna()]
+
+
+@figure("speedup", "Throughput of the fastest layout of each system divided by the fastest "
+        "Megatron layout on the same workload, data profile, mode and device count.")
+def speedup(data):
+    table = speedup_table(data.runs)
+    if table.empty or (table["system"] != BASELINE).sum() == 0:
+        raise NoData("no workload has both a Megatron run and another system's run "
+                     "(ok, same data profile, mode and device count)")
+    fig = _system_bars(table, "speedup over Megatron (×)",
+                       "Speedup over the Megatron baseline", annotate="%.2f×", log_ok=False)
+    for ax in fig.axes:
+        ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+        ax.margins(y=0.15)
+    return fig
+
+
+@figure("scaling", "Throughput against device count for the fastest layout at each count; "
+        "measured runs are solid lines with circles, simulated runs dashed lines with squares.")
+def scaling(data):
+    best = best_layouts(data.runs)
+    if best.empty:
+        raise NoData("no ok record with samples_per_s")
+    counts = best.groupby(["workload", "data_profile"])["num_devices"].nunique()
+    counts = counts[counts >= 2]
+    if counts.empty:
+        raise NoData("no workload has ok runs at two or more device counts")
+    size = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
+    picked = sorted(counts.index, key=lambda k: (-counts[k], size.get(k[0], 99)))[:3]
+    picked = sorted(picked, key=lambda k: (size.get(k[0], 99), k))
+    palette = system_palette(best["system"])
+    fig, axes = new_figure(ncols=len(picked))
+    for ax, (workload, profile) in zip(axes, picked):
+        df = best[(best["workload"] == workload) & (best["data_profile"] == profile)]
+        sns.lineplot(data=df, x="num_devices", y="samples_per_s", hue="system", style="mode",
+                     palette={s: palette[s] for s in set(df["system"])},
+                     style_order=["measured", "simulated"],
+                     dashes={"measured": "", "simulated": (4, 2)},
+                     markers={"measured": "o", "simulated": "s"}, errorbar=None,
+                     markersize=6, ax=ax, legend=False)
+        ticks = sorted(df["num_devices"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, labels=[str(int(t)) for t in ticks])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{workload} · {PROFILE_SHORT.get(profile, profile)}")
+        ax.set_xlabel("devices (count, log₂ axis)")
+        ax.set_ylabel("")
+    axes[0].set_ylabel("throughput (samples/s)")
+    handles = [Line2D([], [], color=c, linewidth=2, label=s) for s, c in palette.items()]
+    modes = modes_in(best)
+    handles += [Line2D([], [], color="black", marker="o", label="measured (solid)")] * ("measured" in modes)
+    handles += [Line2D([], [], color="black", marker="s", linestyle=(0, (4, 2)),
+                       label="simulated (dashed)")] * ("simulated" in modes)
+    panel_legend(fig, handles, "system / mode", ncol=len(handles))
+    fig.suptitle("Scaling with device count")
+    return fig

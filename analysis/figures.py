@@ -1,0 +1,44 @@
+"""All figures, by name: `FIGURES[name](results) -> Figure` (raises NoData when data is absent).
+
+Figure modules register themselves with `analysis.style.figure`; importing them here fills
+the registry. A new figure is one decorated function in any of these modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from analysis import fig_ablation, fig_perf, fig_traces  # noqa: F401  (registers figures)
+from analysis.load import Results
+from analysis.style import CAPTIONS, DPI, FIGURES, NoData
+
+__all__ = ["FIGURES", "CAPTIONS", "NoData", "Outcome", "draw_all"]
+
+
+@dataclass
+class Outcome:
+    name: str
+    caption: str
+    path: Path | None = None     # the PNG, when drawn
+    skipped: str | None = None   # why not, when its data is absent
+
+
+def draw_all(data: Results, out_dir: Path | str) -> list[Outcome]:
+    """Draw every registered figure into out_dir/<name>.png; a stale PNG of a skipped one is removed."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for name, draw in FIGURES.items():
+        path = out_dir / f"{name}.png"
+        try:
+            fig = draw(data)
+        except NoData as why:
+            path.unlink(missing_ok=True)
+            outcomes.append(Outcome(name, CAPTIONS[name], skipped=str(why)))
+            continue
+        fig.savefig(path, dpi=DPI, bbox_inches="tight", facecolor="white")
+        plt.close(fig)
+        outcomes.append(Outcome(name, CAPTIONS[name], path=path))
+    return outcomes

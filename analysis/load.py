@@ -1,0 +1,151 @@
+"""Read `results/*.jsonl` into tidy frames: one row per record, and one row per measured step.
+
+Every line is validated by bench.records; a malformed one raises RecordError naming its file
+and line. Nothing here invents a value: a metric a record lacks stays NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from bench.records import RecordError, read_records
+
+WORKLOAD_ORDER = ("tiny", "small", "mllm-9b", "mllm-15b", "mllm-72b")
+SYSTEM_ORDER = ("megatron", "deepspeed", "disttrain")
+BASELINE = "megatron"
+# Columns every runs frame has, whether or not any record carries them.
+RUN_COLUMNS = ("run_id", "mode", "timestamp", "system", "workload", "data_profile", "status",
+               "reason", "num_devices", "layout_label", "experiment", "plan_kind", "reorder",
+               "preprocess", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
+               "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
+               "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source")
+ALIASES = {  # short name -> json_normalize column
+    "layout_label": "layout.label", "experiment": "tags.experiment", "plan_kind": "tags.plan_kind",
+    "reorder": "config.data.reorder", "preprocess": "config.data.preprocess",
+    "samples_per_s": "metrics.samples_per_s", "tokens_per_s": "metrics.tokens_per_s",
+    "mfu": "metrics.mfu", "mfu_encoder": "metrics.mfu_per_module.encoder",
+    "mfu_backbone": "metrics.mfu_per_module.backbone",
+    "mfu_generator": "metrics.mfu_per_module.generator",
+    "encoder_load_imbalance": "metrics.encoder_load_imbalance",
+    "generator_load_imbalance": "metrics.generator_load_imbalance",
+    "bubble_fraction": "metrics.bubble_fraction", "step_time_s": "metrics.step_time_s",
+}
+STEP_COLUMNS = ("run_id", "system", "workload", "data_profile", "mode", "status", "layout_label",
+                "experiment", "timestamp", "step", "latency_s", "loss", "lm_loss", "gen_loss",
+                "data_wait_s", "rank_busy_s", "rank_idle_s", "timeline")
+
+
+@dataclass
+class Results:
+    runs: pd.DataFrame      # one row per record (flattened with pd.json_normalize)
+    steps: pd.DataFrame     # one row per step of every record that has steps
+    files: list[Path] = field(default_factory=list)
+
+
+def load_records(results_dir: Path | str) -> tuple[list[dict], list[Path]]:
+    """All records of `results_dir/*.jsonl`, each tagged with `_source` = "file:line"."""
+    files = sorted(Path(results_dir).glob("*.jsonl"))
+    records = []
+    for path in files:
+        with open(path) as f:  # the same line numbering read_records uses
+            lines = [i for i, line in enumerate(f, 1) if line.strip()]
+        for lineno, record in zip(lines, read_records(path)):
+            records.append({**record, "_source": f"{path.name}:{lineno}"})
+    return records, files
+
+
+def _data_wait_fraction(record: dict) -> float:
+    """The recorded metric, else total data wait over total step latency of its steps."""
+    value = record["metrics"].get("data_wait_fraction")
+    if value is not None:
+        return float(value)
+    pairs = [(s.get("data_wait_s"), s.get("latency_s")) for s in record["steps"]]
+    pairs = [(w, t) for w, t in pairs if w is not None and t]
+    return sum(w for w, _ in pairs) / sum(t for _, t in pairs) if pairs else np.nan
+
+
+def runs_frame(records: list[dict]) -> pd.DataFrame:
+    flat = [{k: v for k, v in r.items() if k not in ("steps", "_source")} for r in records]
+    runs = pd.json_normalize(flat) if flat else pd.DataFrame()
+    for short, long in ALIASES.items():
+        runs[short] = runs[long] if long in runs else np.nan
+    runs["n_steps"] = [len(r["steps"]) for r in records]
+    runs["source"] = [r.get("_source", "") for r in records]
+    runs["data_wait_fraction"] = [_data_wait_fraction(r) for r in records]
+    for col in RUN_COLUMNS:
+        if col not in runs:
+            runs[col] = np.nan
+    numeric = [c for c in RUN_COLUMNS if c.startswith(("samples", "tokens", "mfu", "data_wait"))
+               or c.endswith(("imbalance", "fraction", "_s"))]
+    runs[numeric] = runs[numeric].apply(pd.to_numeric, errors="coerce")
+    runs["layout_label"] = runs["layout_label"].fillna("?").astype(str)
+    runs["speedup"] = speedup_vs_baseline(runs)
+    return runs.reset_index(drop=True)
+
+
+def steps_frame(records: list[dict]) -> pd.DataFrame:
+    rows = []
+    for r in records:
+        head = {"run_id": r["run_id"], "system": r["system"], "workload": r["workload"],
+                "data_profile": r["data_profile"], "mode": r["mode"], "status": r["status"],
+                "layout_label": str(r["layout"].get("label", "?")),
+                "experiment": r["tags"].get("experiment"), "timestamp": r["timestamp"]}
+        for i, step in enumerate(r["steps"]):
+            rows.append({**head, **{k: step.get(k) for k in STEP_COLUMNS[9:]},
+                         "step": step.get("step", i)})
+    steps = pd.DataFrame(rows, columns=list(STEP_COLUMNS))
+    for col in ("latency_s", "loss", "lm_loss", "gen_loss", "data_wait_s"):
+        steps[col] = pd.to_numeric(steps[col], errors="coerce")
+    return steps
+
+
+def load(results_dir: Path | str) -> Results:
+    """Both frames from `results_dir/*.jsonl`; raises RecordError on any malformed line."""
+    records, files = load_records(results_dir)
+    return Results(runs_frame(records), steps_frame(records), files)
+
+
+def ok(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[(runs["status"] == "ok") & runs["samples_per_s"].notna()]
+
+
+COMPARE_KEYS = ["workload", "data_profile", "mode", "num_devices"]
+
+
+def best_layouts(runs: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame:
+    """The fastest ok record (samples/s) of each system for each comparison group."""
+    keys = (keys or COMPARE_KEYS) + ["system"]
+    good = ok(runs)
+    if good.empty:
+        return good
+    return good.loc[good.groupby(keys, dropna=False)["samples_per_s"].idxmax()].reset_index(drop=True)
+
+
+def speedup_vs_baseline(runs: pd.DataFrame) -> pd.Series:
+    """samples/s of each ok record over the best Megatron layout with the same workload,
+    data profile, mode and device count; NaN where that baseline does not exist."""
+    good = ok(runs)
+    base = good[good["system"] == BASELINE].groupby(COMPARE_KEYS)["samples_per_s"].max()
+    if base.empty:
+        return pd.Series(np.nan, index=runs.index)
+    keyed = pd.MultiIndex.from_frame(runs[COMPARE_KEYS])
+    ref = base.reindex(keyed).to_numpy()
+    out = runs["samples_per_s"].to_numpy(dtype=float) / ref
+    out[(runs["status"] != "ok").to_numpy()] = np.nan
+    return pd.Series(out, index=runs.index)
+
+
+def sort_key(col: pd.Series) -> pd.Series:
+    """For DataFrame.sort_values(key=...): model size order for workloads, paper order for systems."""
+    order = {"workload": WORKLOAD_ORDER, "system": SYSTEM_ORDER}.get(col.name)
+    if order is None:
+        return col
+    return col.map(lambda v: f"{order.index(v) if v in order else 99:02d}{v}")
+
+
+def ordered(values, order=WORKLOAD_ORDER) -> list:
+    vals = list(dict.fromkeys(v for v in values if pd.notna(v)))
+    return sorted(vals, key=lambda v: (order.index(v) if v in order else len(order), str(v)))

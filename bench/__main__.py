@@ -1,0 +1,67 @@
+"""python -m bench {run,sweep,profile,simulate} ... (see README)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from systems.base import ConfigError
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", type=Path, default=None, help="JSONL file records are appended to")
+    p.add_argument("--wandb-mode", default=None, help="offline (default), online or disabled; or set WANDB_MODE")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description="disttrain-bench runner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train one system on one workload and append a record")
+    run.add_argument("--system", required=True)
+    run.add_argument("--workload", required=True)
+    run.add_argument("--nproc", type=int, default=1)
+    run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE")
+    _add_common(run)
+    sweep = sub.add_parser("sweep", help="run a TOML matrix of runs, skipping those already recorded")
+    sweep.add_argument("file", type=Path)
+    _add_common(sweep)
+    for name, module in _extra_commands():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _extra_commands():
+    """Subcommands that live in their own modules (profiler, simulator)."""
+    import importlib
+    for name in ("bench.profile", "bench.simulate_cli"):
+        try:
+            yield name, importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+def _dispatch(args) -> int:
+    from bench import runner
+    results = args.results or runner.DEFAULT_RESULTS
+    if args.command == "run":
+        from bench.config import parse_sets, resolve
+        tags = parse_sets(args.tags)
+        cfg, layout = resolve(args.system, args.workload, args.nproc, parse_sets(args.sets),
+                              {k: str(v) for k, v in tags.items()})
+        record = runner.run(cfg, layout, results, args.wandb_mode)
+        return 0 if record["status"] == "ok" else 1
+    if args.command == "sweep":
+        from bench.sweep import run_sweep
+        return run_sweep(args.file, results, args.wandb_mode)
+    return args.handler(args, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Run configuration: typed, resolved before launch, written beside every result.
+
+`--set key=value` overrides with dotted keys: run keys (`steps`, `data.reorder`, ...) are
+checked against this dataclass, anything else must be an option the system declares.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from systems.base import ConfigError, Layout, get_system
+from workloads.presets import get_workload
+
+REORDER_CHOICES = ("none", "intra", "inter", "both")
+PREPROCESS_CHOICES = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    profile: str = ""                  # empty: the workload's default data profile
+    num_samples: int = 256             # dataset size on disk; batches cycle through it
+    root: str = "data"
+    preprocess: str = "colocated"      # in the trainer processes, or in separate workers
+    reorder: str = "none"
+    num_workers: int = 2               # disaggregated preprocessing workers
+    prefetch: int = 4                  # microbatches buffered per trainer (backpressure)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    # Off by default so every system does the same math; Megatron clips when set.
+    clip_grad: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    system: str
+    workload: str
+    nproc: int = 1
+    steps: int = 5                     # measured steps
+    warmup: int = 2
+    seed: int = 1234
+    dtype: str = "fp32"                # fp32 | bf16
+    device: str = "cpu"                # cpu | cuda
+    backend: str = ""                  # empty: gloo on cpu, nccl on cuda
+    threads_per_proc: int = 1
+    global_batch_size: int = 0         # 0: the workload's
+    micro_batch_size: int = 0
+    timeout_s: int = 900               # a hung collective ends the run after this
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    options: dict[str, Any] = field(default_factory=dict)   # system options (tp, pp, plan, ...)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        d = dict(d)
+        d["data"] = DataConfig(**d.get("data", {}))
+        d["optim"] = OptimConfig(**d.get("optim", {}))
+        return cls(**d)
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ConfigError(f"malformed --set {item!r}: write key=value, e.g. --set tp=2")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool) or default is None:
+        return value
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {type(default).__name__}") from None
+
+
+def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
+            tags: dict[str, str] | None = None) -> tuple[RunConfig, Layout]:
+    """The fully resolved config and the validated layout, or a ConfigError; no processes."""
+    adapter = get_system(system)
+    try:
+        wl = get_workload(workload)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    base = RunConfig(system=system, workload=workload, nproc=nproc).to_dict()
+    options = dict(adapter.options)
+    for key, value in sets.items():
+        head, _, tail = key.partition(".")
+        if tail and head in ("data", "optim"):
+            if tail not in base[head]:
+                raise ConfigError(f"unknown key {key!r}; {head}.* keys are {sorted(base[head])}")
+            base[head][tail] = _coerce(key, value, base[head][tail])
+        elif key in base and key not in ("system", "workload", "nproc", "data", "optim", "options", "tags"):
+            base[key] = _coerce(key, value, base[key])
+        elif key in options:
+            options[key] = _coerce(key, value, options[key])
+        else:
+            raise ConfigError(f"unknown key {key!r} for system {system!r}; run keys: "
+                              f"{sorted(k for k in base if k not in ('data', 'optim', 'options', 'tags'))}, "
+                              f"data.*, optim.*, system options: {sorted(options) or 'none'}")
+    base["options"] = options
+    base["tags"] = dict(tags or {})
+    if not base["data"]["profile"]:
+        base["data"]["profile"] = wl.data_profile.name
+    base["global_batch_size"] = base["global_batch_size"] or wl.global_batch_size
+    base["micro_batch_size"] = base["micro_batch_size"] or wl.micro_batch_size
+    base["backend"] = base["backend"] or ("nccl" if base["device"] == "cuda" else "gloo")
+    cfg = RunConfig.from_dict(base)
+    _check(cfg)
+    layout = adapter.layout(cfg.options, cfg.nproc, wl.with_profile(cfg.data.profile),
+                            cfg.global_batch_size, cfg.micro_batch_size)
+    return cfg, layout
+
+
+def _check(cfg: RunConfig) -> None:
+    if cfg.data.reorder not in REORDER_CHOICES:
+        raise ConfigError(f"data.reorder={cfg.data.reorder!r}; choose one of {REORDER_CHOICES}")
+    if cfg.data.preprocess not in PREPROCESS_CHOICES:
+        raise ConfigError(f"data.preprocess={cfg.data.preprocess!r}; choose one of {PREPROCESS_CHOICES}")
+    if cfg.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"dtype={cfg.dtype!r}; choose fp32 or bf16")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ConfigError(f"device={cfg.device!r}; choose cpu or cuda")
+    if cfg.steps < 1 or cfg.warmup < 0:
+        raise ConfigError(f"steps must be >= 1 and warmup >= 0 (got steps={cfg.steps}, warmup={cfg.warmup})")
+    if cfg.global_batch_size % cfg.micro_batch_size:
+        raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of "
+                          f"micro_batch_size {cfg.micro_batch_size}")
+    from workloads.profiles import DATA_PROFILES
+    if cfg.data.profile not in DATA_PROFILES:
+        raise ConfigError(f"unknown data profile {cfg.data.profile!r}; choose one of {sorted(DATA_PROFILES)}")
+
+
+def dumps(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)

@@ -1,0 +1,56 @@
+"""Microbatches for a trainer rank: the data plan plus preprocessing, timed.
+
+`ColocatedSource` decodes and preprocesses inside the trainer process (Megatron-LM's usual
+setup). A disaggregated source (bench.preprocess) has the same interface but receives
+ready tensors from separate worker processes. Either way `wait_s` is the time the trainer
+spent waiting for data, so records can report `data_wait_fraction`.
+"""
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+from bench.batching import assign, global_batch_ids, sample_costs
+from workloads.batch import MicroBatch
+from workloads.loader import DatasetReader, collate
+
+
+class DataPlan:
+    """The sample assignment of every step, for any data-parallel size; pure and cheap."""
+
+    def __init__(self, reader: DatasetReader, workload, global_batch_size: int, micro_batch_size: int,
+                 reorder: str, num_samples: int):
+        self.reader, self.workload = reader, workload
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.reorder, self.num_samples = reorder, num_samples
+
+    def ids(self, step: int) -> list[int]:
+        return global_batch_ids(step, self.global_batch_size, self.num_samples)
+
+    def costs(self, ids: list[int]):
+        return sample_costs(self.workload, [self.reader.sample_meta(i) for i in ids])
+
+    @lru_cache(maxsize=64)
+    def assignment(self, step: int, dp_size: int, micro_batch_size: int | None = None) -> tuple:
+        ids = self.ids(step)
+        plan = assign(ids, self.costs(ids), dp_size, micro_batch_size or self.micro_batch_size, self.reorder)
+        return tuple(tuple(tuple(mb) for mb in mbs) for mbs in plan)
+
+
+class ColocatedSource:
+    def __init__(self, plan: DataPlan, seed: int, device):
+        self.plan, self.seed, self.device = plan, seed, device
+        self.wait_s = 0.0
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int | None = None) -> list[MicroBatch]:
+        start = time.perf_counter()
+        out = [self.load(ids) for ids in self.plan.assignment(step, dp_size, micro_batch_size)[dp_rank]]
+        self.wait_s += time.perf_counter() - start
+        return out
+
+    def load(self, ids) -> MicroBatch:
+        samples = [self.plan.reader.load_sample(i) for i in ids]
+        return collate(samples, self.plan.workload, self.seed).to(self.device)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,56 @@
+"""Turn a finished run's raw timings into a record: FLOPs, throughput, MFU, imbalance."""
+from __future__ import annotations
+
+import statistics
+
+from bench import batching
+from bench.metrics import throughput
+from workloads.flops import batch_flops
+
+MODULE_INDEX = {"encoder": 0, "backbone": 1, "generator": 2}
+
+
+def step_flops(plan, step: int):
+    return batch_flops(plan.workload, [plan.reader.sample_meta(i) for i in plan.ids(step)])
+
+
+def load_imbalance(plan, steps: list[int], module: str, dp_size: int) -> float:
+    """max/mean per-rank load of `module`, averaged over steps (1.0 = perfectly balanced)."""
+    values = []
+    for step in steps:
+        ids = plan.ids(step)
+        cost_of = dict(zip(ids, plan.costs(ids)))
+        loads = batching.rank_loads(plan.assignment(step, dp_size), cost_of, MODULE_INDEX[module])
+        mean = sum(loads) / len(loads)
+        values.append(max(loads) / mean if mean else 1.0)
+    return statistics.fmean(values)
+
+
+def metrics_from_run(raw: dict, plan, layout) -> dict:
+    measured = [s for s in raw["steps"] if not s["warmup"]]
+    step_ids = [s["step"] for s in measured]
+    flops = step_flops(plan, step_ids[0])
+    for step in step_ids[1:]:
+        flops = flops + step_flops(plan, step)
+    mean_flops = type(flops)(*(v // len(step_ids) for v in flops.as_dict().values()))
+    latencies = [s["latency_s"] for s in measured]
+    gbs = plan.global_batch_size
+    tp = throughput(latencies, gbs, gbs * plan.workload.backbone.seq_length, mean_flops,
+                    layout.num_devices, raw["peak_flops_per_device"])
+    wait = sum(s["data_wait_s"] for s in measured)
+    busy = [sum(s["rank_busy_s"]) for s in measured]
+    ranks = len(measured[0]["rank_busy_s"])
+    metrics = tp.as_dict() | {
+        "step_time_s": statistics.median(latencies),
+        "model_flops_per_step": mean_flops.as_dict(),
+        "peak_flops_per_device": raw["peak_flops_per_device"],
+        "peak_flops_source": raw["peak_flops_source"],
+        "peak_memory_gib": raw["peak_memory_gib"],
+        "data_wait_fraction": wait / sum(latencies),
+        "encoder_load_imbalance": load_imbalance(plan, step_ids, "encoder", layout.module_dp["encoder"]),
+        "generator_load_imbalance": load_imbalance(plan, step_ids, "generator", layout.module_dp["generator"]),
+    }
+    if any(busy):
+        # Idle (bubble) share of rank-time: what ranks did not spend computing.
+        metrics["bubble_fraction"] = 1 - sum(busy) / (ranks * sum(latencies))
+    return metrics

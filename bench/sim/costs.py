@@ -1,0 +1,209 @@
+"""Analytical cost model: time of a module's work on a GPU group, and memory per GPU.
+
+Compute. time = FLOPs / (TP x peak x efficiency[module]); FLOPs from workloads.flops (real
+patches and tokens, training = 3 x forward; forward is 1/3 of the time, backward 2/3).
+Full activation recomputation adds one more forward (time only; MFU never counts it).
+Tensor parallelism (Megatron with sequence parallelism): per layer 2 all-reduce-equivalents
+of tokens x hidden x 2 bytes in forward and 2 in backward (+2 when recomputing), each a
+ring: 2 (t - 1) / t x bytes / bw + 2 (t - 1) x latency; NVLink inside a node, InfiniBand when
+the group spans nodes. Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
+direction (scatter-gather over the TP ranks), a delay on the dependency edge.
+Data parallelism: at the end of the iteration each module's gradients are reduce-scattered
+and its parameters all-gathered (distributed optimizer / ZeRO-1,2: 2 bytes each, the same
+volume as one all-reduce), not overlapped with compute. ZeRO-3 instead gathers parameters
+for forward and backward and reduce-scatters gradients every microbatch.
+Optimizer step, norms, embeddings lookups and kernel launch gaps are not modelled.
+
+Memory per GPU. 16 bytes per parameter: bf16 weight (2) + bf16 gradient (2) + fp32 master
+weight, Adam m and v (12). Sharded over the data-parallel group by stage: 1 (and Megatron's
+distributed optimizer) the 12; 2 also the gradient; 3 everything. Activations follow
+Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4, TP + sequence parallel + selective
+recompute): 34 x tokens x hidden / TP bytes per layer and microbatch in flight; full
+recompute keeps only each layer's bf16 input (2 x tokens x hidden / TP) plus one layer's 34.
+The backbone's last stage holds fp32 logits, 4 x tokens x vocab / TP, for one microbatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from bench.sim.cluster import Cluster
+from workloads import flops as F
+from workloads.presets import Workload
+
+WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
+ACT_BYTES = 34           # per token, per hidden unit, per layer (Korthikanti et al. 2022)
+ACT_BYTES_FULL_RECOMPUTE = 2
+LOGIT_BYTES = 4
+MODULES = ("encoder", "backbone", "generator")
+
+
+def ring_allreduce(nbytes, n: int, bw: float, lat: float):
+    if n <= 1:
+        return 0.0 * np.asarray(nbytes)
+    return 2 * (n - 1) / n * np.asarray(nbytes, dtype=np.float64) / bw + 2 * (n - 1) * lat
+
+
+def ring_shard(nbytes, n: int, bw: float, lat: float):
+    """Reduce-scatter or all-gather of `nbytes` in total over n ranks."""
+    if n <= 1:
+        return 0.0 * np.asarray(nbytes)
+    return (n - 1) / n * np.asarray(nbytes, dtype=np.float64) / bw + (n - 1) * lat
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    params: int          # whole module
+    layer_params: int    # one transformer layer (backbone: embeddings excluded)
+
+
+@lru_cache(maxsize=64)
+def module_shapes(w: Workload) -> dict[str, ModuleShape]:
+    p = F.parameter_counts(w)
+    e, b, g = w.encoder, w.backbone, w.generator
+    emb = b.vocab_size * b.hidden_size
+    return {
+        "encoder": ModuleShape(e.num_layers, e.hidden_size, e.num_attention_heads, e.num_attention_heads,
+                               p["encoder"], p["encoder"] // e.num_layers),
+        "backbone": ModuleShape(b.num_layers, b.hidden_size, b.num_attention_heads, b.num_query_groups,
+                                p["backbone"], (p["backbone"] - 2 * emb) // b.num_layers),
+        "generator": ModuleShape(g.num_layers, g.hidden_size, g.num_attention_heads, g.num_attention_heads,
+                                 p["generator"], p["generator"] // g.num_layers),
+    }
+
+
+@lru_cache(maxsize=256)
+def enc_image(w: Workload, res: int) -> tuple[float, int]:
+    return float(F.encoder_image_flops(w, res)), w.image_tokens(res)
+
+
+@lru_cache(maxsize=256)
+def gen_image(w: Workload, res: int) -> tuple[float, int]:
+    return float(F.generator_image_flops(w, res)), w.latent_tokens(res) + w.generator.num_cond_tokens
+
+
+@lru_cache(maxsize=64)
+def backbone_parts(w: Workload) -> tuple[float, float]:
+    """(training FLOPs of one layer for one sample, training FLOPs of the logits for one sample)."""
+    b = w.backbone
+    logits = F.TRAIN_MULTIPLIER * 2.0 * b.seq_length * b.hidden_size * b.vocab_size
+    return (float(F.backbone_sample_flops(w)) - logits) / b.num_layers, logits
+
+
+@dataclass
+class BatchCosts:
+    """Per-image encoder/generator work of a batch, flattened, with the owning sample."""
+    enc_flops: np.ndarray
+    enc_tokens: np.ndarray
+    enc_owner: np.ndarray
+    gen_flops: np.ndarray
+    gen_tokens: np.ndarray
+    gen_owner: np.ndarray
+    num_samples: int
+
+    def per_sample(self, which: str) -> np.ndarray:
+        owner, val = (self.enc_owner, self.enc_flops) if which == "encoder" else (self.gen_owner, self.gen_flops)
+        return np.bincount(owner, weights=val, minlength=self.num_samples)
+
+    def per_sample_tokens(self, which: str) -> np.ndarray:
+        owner, val = (self.enc_owner, self.enc_tokens) if which == "encoder" else (self.gen_owner, self.gen_tokens)
+        return np.bincount(owner, weights=val, minlength=self.num_samples)
+
+
+def batch_costs(w: Workload, metas) -> BatchCosts:
+    e = [(i, *enc_image(w, r)) for i, m in enumerate(metas) for r in m.input_resolutions]
+    g = [(i, *gen_image(w, r)) for i, m in enumerate(metas) for r in m.output_resolutions]
+    ea = np.array(e, dtype=np.float64).reshape(-1, 3)
+    ga = np.array(g, dtype=np.float64).reshape(-1, 3)
+    return BatchCosts(ea[:, 1], ea[:, 2], ea[:, 0].astype(np.int64), ga[:, 1], ga[:, 2],
+                      ga[:, 0].astype(np.int64), len(metas))
+
+
+def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False):
+    """(forward, backward) compute seconds of `flops` training FLOPs on a TP group."""
+    t = np.asarray(flops, dtype=np.float64) / (tp * cluster.peak_flops * cluster.efficiency[module])
+    return t / 3, 2 * t / 3 + (t / 3 if recompute else 0.0)
+
+
+def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, recompute: bool = False):
+    """(forward, backward) seconds of TP collectives for `tokens` through `layers` layers."""
+    if tp <= 1:
+        z = 0.0 * np.asarray(tokens, dtype=np.float64)
+        return z, z
+    bw, lat = cluster.link(tp > cluster.gpus_per_node)
+    one = ring_allreduce(np.asarray(tokens, dtype=np.float64) * hidden * 2, tp, bw, lat) * layers
+    return 2 * one, (4 if recompute else 2) * one
+
+
+def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: int, cluster: Cluster,
+              recompute: bool = False):
+    cf, cb = compute_fb(flops, module, tp, cluster, recompute)
+    mf, mb = tp_comm_fb(tokens, shape.hidden, layers, tp, cluster, recompute)
+    return cf + mf, cb + mb
+
+
+def p2p_time(tokens: float, hidden: int, tp: int, cluster: Cluster, spans_nodes: bool) -> float:
+    bw, lat = cluster.link(spans_nodes)
+    return float(tokens * hidden * 2 / tp / bw + lat)
+
+
+def dp_sync_time(params_per_gpu: float, dp: int, spans_nodes: bool, cluster: Cluster) -> float:
+    """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16)."""
+    bw, lat = cluster.link(spans_nodes)
+    return float(ring_allreduce(params_per_gpu * GRAD_BYTES, dp, bw, lat))
+
+
+def zero3_microbatch_comm(params: float, dp: int, spans_nodes: bool, cluster: Cluster) -> float:
+    """ZeRO-3 per microbatch: all-gather for forward and backward, reduce-scatter of gradients."""
+    bw, lat = cluster.link(spans_nodes)
+    return float(3 * ring_shard(params * WEIGHT_BYTES, dp, bw, lat))
+
+
+def state_bytes(params: float, dp: int, zero_stage: int = 1) -> float:
+    """Weights + gradients + optimizer states per GPU, sharded over dp by ZeRO stage."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0-3, got {zero_stage}")
+    w, g, o = WEIGHT_BYTES * params, GRAD_BYTES * params, OPTIM_BYTES * params
+    return {0: w + g + o, 1: w + g + o / dp, 2: w + (g + o) / dp, 3: (w + g + o) / dp}[zero_stage]
+
+
+def activation_bytes(tokens, hidden: int, layers: int, tp: int, recompute: bool = False):
+    tokens = np.asarray(tokens, dtype=np.float64)
+    if recompute:
+        return tokens * hidden * (ACT_BYTES_FULL_RECOMPUTE * layers + ACT_BYTES) / tp
+    return ACT_BYTES * tokens * hidden * layers / tp
+
+
+def logits_bytes(w: Workload, samples: int, tp: int) -> float:
+    return LOGIT_BYTES * samples * w.backbone.seq_length * w.backbone.vocab_size / tp
+
+
+def backbone_stage(w: Workload, pp: int, stage: int) -> tuple[float, float, int]:
+    """(training FLOPs per sample, parameters, layers) of backbone pipeline stage `stage`."""
+    layer_flops, logits = backbone_parts(w)
+    shape = module_shapes(w)["backbone"]
+    layers = w.backbone.num_layers // pp
+    emb = w.backbone.vocab_size * w.backbone.hidden_size
+    flops = layers * layer_flops + (logits if stage == pp - 1 else 0.0)
+    params = layers * shape.layer_params + (emb if stage == 0 else 0) + (emb if stage == pp - 1 else 0)
+    return flops, params, layers
+
+
+def tp_choices(max_tp: int, *head_counts: int) -> list[int]:
+    """Powers of two up to max_tp that divide every given head / KV-group count."""
+    out, t = [], 1
+    while t <= max_tp:
+        if all(h % t == 0 for h in head_counts):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,116 @@
+"""Exact 1F1B schedule of a chain of pipeline stages (a recurrence, not a random simulation).
+
+Model. Stages 0..S-1 form a chain; microbatches 0..m-1 enter in index order. Stage s runs
+its operations in the fixed 1F1B order of Megatron-LM's non-interleaved schedule
+(PipeDream-Flush): w = min(S - s - 1, m) warm-up forwards, then (m - w) pairs
+"forward of the next microbatch, backward of the oldest", then the w remaining backwards.
+An operation starts when its stage has finished the previous operation and its input exists:
+    F(s, j) needs F(s-1, j) finished, plus link[s-1] (the s-1 -> s transfer);
+    B(s, j) needs B(s+1, j) finished, plus link[s]; on the last stage B follows its own F.
+A stage computes one operation at a time; transfers occupy no stage (they are delays on the
+dependency edge). Durations may differ per microbatch and per stage.
+
+Two uses: Megatron (the pipeline stages of one data-parallel replica, encoder work added to
+stage 0 and generator work to stage S-1) and DistTrain's module pipeline (encoder group ->
+backbone stages -> generator group as one chain, each with its own per-microbatch times).
+
+Equal stages (f, b per microbatch, no links) give the textbook (m + S - 1)(f + b).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    iteration_time: float          # last operation's end (the pipeline flush)
+    busy: tuple[float, ...]        # per stage: sum of its operations' durations
+    bubble_fraction: float         # 1 - weighted busy / (weighted stages x iteration_time)
+    stage_end: tuple[float, ...]   # per stage: when its last operation ended
+
+    def as_dict(self) -> dict:
+        return {"iteration_time": self.iteration_time, "busy": list(self.busy),
+                "bubble_fraction": self.bubble_fraction, "stage_end": list(self.stage_end)}
+
+
+def stage_ops(s: int, num_stages: int, m: int) -> list[tuple[int, int]]:
+    """(kind, microbatch) in execution order on stage s; kind 0 = forward, 1 = backward."""
+    w = min(num_stages - s - 1, m)
+    ops = [(0, j) for j in range(w)]
+    for i in range(m - w):
+        ops += [(0, w + i), (1, i)]
+    return ops + [(1, j) for j in range(m - w, m)]
+
+
+def bubble_fraction(busy, iteration_time: float, weights=None) -> float:
+    busy = np.asarray(busy, dtype=np.float64)
+    w = np.ones_like(busy) if weights is None else np.asarray(weights, dtype=np.float64)
+    if iteration_time <= 0 or w.sum() <= 0:
+        return 0.0
+    return float(1.0 - (busy * w).sum() / (w.sum() * iteration_time))
+
+
+def one_f_one_b(fwd, bwd, links=None, weights=None) -> ScheduleResult:
+    """Exact 1F1B timing. fwd, bwd: [m, S] durations; links: [S-1] transfer delays (or None).
+
+    weights (per stage, e.g. GPUs per stage) only weight the bubble fraction.
+    """
+    fwd = np.asarray(fwd, dtype=np.float64)
+    bwd = np.asarray(bwd, dtype=np.float64)
+    if fwd.ndim != 2 or fwd.shape != bwd.shape:
+        raise ValueError(f"fwd and bwd must both be [m, S]; got {fwd.shape} and {bwd.shape}")
+    m, S = fwd.shape
+    if m == 0 or S == 0:
+        return ScheduleResult(0.0, (0.0,) * S, 0.0, (0.0,) * S)
+    link = [0.0] * (S - 1) if links is None else [float(x) for x in links]
+    if len(link) != S - 1:
+        raise ValueError(f"links needs {S - 1} entries, got {len(link)}")
+    f, b = fwd.tolist(), bwd.tolist()
+    f_end = [[-1.0] * m for _ in range(S)]
+    b_end = [[-1.0] * m for _ in range(S)]
+    ops = [stage_ops(s, S, m) for s in range(S)]
+    ptr, clock = [0] * S, [0.0] * S
+    remaining = 2 * m * S
+    while remaining:
+        progressed = False
+        for s in range(S):
+            seq, t = ops[s], clock[s]
+            while ptr[s] < len(seq):
+                kind, j = seq[ptr[s]]
+                if kind == 0:
+                    if s == 0:
+                        ready = 0.0
+                    elif f_end[s - 1][j] < 0:
+                        break
+                    else:
+                        ready = f_end[s - 1][j] + link[s - 1]
+                    t = max(t, ready) + f[j][s]
+                    f_end[s][j] = t
+                else:
+                    if s == S - 1:
+                        ready = f_end[s][j]
+                    elif b_end[s + 1][j] < 0:
+                        break
+                    else:
+                        ready = b_end[s + 1][j] + link[s]
+                    t = max(t, ready) + b[j][s]
+                    b_end[s][j] = t
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+            clock[s] = t
+        if not progressed:
+            raise RuntimeError("1F1B schedule deadlocked (a bug: the order is deadlock-free)")
+    busy = tuple(float(x) for x in fwd.sum(0) + bwd.sum(0))
+    total = max(clock)
+    return ScheduleResult(total, busy, bubble_fraction(busy, total, weights), tuple(clock))
+
+
+def estimate_1f1b(stage_fb, links=None, m: int = 1) -> float:
+    """Closed-form estimate for identical microbatches: sum_s t_s + (m - 1) max_s t_s + 2 sum links,
+    with t_s = forward + backward of stage s. Exact for equal stages; used by the orchestrator."""
+    t = np.asarray(stage_fb, dtype=np.float64)
+    lk = 0.0 if links is None else 2.0 * float(np.sum(links))
+    return float(t.sum() + (m - 1) * t.max() + lk)

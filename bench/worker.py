@@ -1,0 +1,169 @@
+"""The per-rank training loop that torchrun starts: warm-up steps, then measured steps.
+
+Rank 0 writes the timings, losses and memory to a JSON file that the runner turns into a
+record. Nothing here knows which system it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench.config import RunConfig
+from bench.metrics import peak_flops_per_device
+from systems.base import Layout, get_system
+from workloads.presets import Workload, get_workload
+
+MODULES = ("encoder", "backbone", "generator")
+
+
+@dataclass
+class TrainContext:
+    cfg: RunConfig
+    workload: Workload
+    layout: Layout
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+    data: object          # ColocatedSource or DisaggregatedSource
+    plan: object          # bench.data_source.DataPlan
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB (process RSS)
+
+
+def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank: int):
+    from bench.data_source import ColocatedSource, DataPlan
+    from workloads.loader import DatasetReader
+    reader = DatasetReader(dataset, workload, cfg.seed)
+    plan = DataPlan(reader, workload, cfg.global_batch_size, cfg.micro_batch_size, cfg.data.reorder,
+                    cfg.data.num_samples)
+    if cfg.data.preprocess == "disaggregated":
+        from bench.preprocess import DisaggregatedSource
+        return DisaggregatedSource(plan, cfg, dataset, device, rank), plan
+    return ColocatedSource(plan, cfg.seed, device), plan
+
+
+def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(cfg.threads_per_proc)
+    device = _device(cfg)
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    workload = get_workload(cfg.workload, cfg.data.profile)
+    adapter = get_system(cfg.system)
+    layout = adapter.layout(cfg.options, cfg.nproc, workload, cfg.global_batch_size, cfg.micro_batch_size)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+    # Every rank measures at once, so on a shared CPU each sees its real share of it.
+    dist.barrier()
+    peak, peak_source = peak_flops_per_device(device.type, cfg.dtype,
+                                              torch.cuda.get_device_name() if device.type == "cuda" else "")
+    peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
+    dist.all_reduce(peak_t)
+    peak_mean = peak_t.item() / world
+
+    source, plan = _make_source(cfg, workload, dataset, device, rank)
+    ctx = TrainContext(cfg, workload, layout, rank, world, device, dtype, source, plan)
+    adapter.setup(ctx)
+    steps = []
+    total = cfg.warmup + cfg.steps
+    for step in range(total):
+        dist.barrier()
+        wait_before = source.wait_s
+        start = time.perf_counter()
+        result = adapter.train_step(step)
+        _sync(device)
+        dist.barrier()
+        latency = time.perf_counter() - start
+        local = [result.loss_sum, result.lm_loss_sum, result.gen_loss_sum]
+        losses = torch.tensor(local, dtype=torch.float64, device=device)
+        dist.all_reduce(losses)
+        losses /= cfg.global_batch_size
+        # Per-rank busy and data-wait times, gathered as plain tensors.
+        busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before]
+        gathered = [torch.zeros(4, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
+        if rank == 0:
+            per_rank = [g.tolist() for g in gathered]
+            entry = {
+                "step": step, "warmup": step < cfg.warmup, "latency_s": latency,
+                "loss": losses[0].item(), "lm_loss": losses[1].item(), "gen_loss": losses[2].item(),
+                "data_wait_s": max(r[3] for r in per_rank),
+                "rank_busy_s": [sum(r[:3]) for r in per_rank],
+                "module_busy_s": {m: max(r[i] for r in per_rank) for i, m in enumerate(MODULES)},
+            }
+            steps.append(entry)
+            print(f"[bench] step {step + 1}/{total}{' (warm-up)' if step < cfg.warmup else ''} "
+                  f"loss {entry['loss']:.5f} {latency:.3f} s", flush=True)
+        if step == total - 1 and getattr(adapter, "records_timeline", False):
+            _attach_timeline(steps, result.timeline, rank, world, device)
+    mem = torch.tensor([_peak_memory_gib(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    adapter.teardown()
+    source.close()
+    if rank == 0:
+        payload = {"steps": steps, "peak_flops_per_device": peak_mean, "peak_flops_source": peak_source,
+                   "peak_memory_gib": mem.item(), "world_size": world}
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload))
+        tmp.rename(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _attach_timeline(steps, timeline, rank, world, device) -> None:
+    """Collect every rank's events of the last step on rank 0 (as a flat float tensor)."""
+    kinds = ["fwd", "bwd", "comm", "idle"]
+    rows = [[float(MODULES.index(e["module"])), float(kinds.index(e["kind"])), e["start_s"], e["end_s"]]
+            for e in timeline]
+    count = torch.tensor([len(rows)], device=device)
+    counts = [torch.zeros(1, dtype=count.dtype, device=device) for _ in range(world)]
+    dist.all_gather(counts, count)
+    width = int(max(c.item() for c in counts)) or 1
+    mine = torch.zeros(width, 4, dtype=torch.float64, device=device)
+    if rows:
+        mine[: len(rows)] = torch.tensor(rows, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    if rank == 0:
+        steps[-1]["timeline"] = [
+            {"rank": r, "module": MODULES[int(m)], "kind": kinds[int(k)], "start_s": s, "end_s": e}
+            for r, t in enumerate(every) for m, k, s, e in t[: int(counts[r].item())].tolist()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", type=Path, required=True)
+    p.add_argument("--dataset", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    train(RunConfig.from_dict(json.loads(a.config.read_text())), a.dataset, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""megatron-core plumbing shared by the systems built on it (not an adapter).
+
+Wrapping a module in megatron DDP, building its optimizer, and the finalize hooks that
+make DDP actually reduce gradients (without them DP grads are silently not averaged:
+../shared/notes/cpu-backends.md).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def use_cpu_if_needed(device: torch.device) -> None:
+    if device.type == "cpu":
+        from systems import cpu_compat
+        cpu_compat.install()
+
+
+def wrap_ddp(module, config, pg_collection=None):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, **kwargs)
+
+
+def build_optimizer(model_chunks, optim, dtype: torch.dtype, pg_collection=None):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    config = OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+                             adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=optim.clip_grad,
+                             bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                             use_distributed_optimizer=True)
+    kwargs = {}
+    if pg_collection is not None:
+        kwargs = {"pg_collection": pg_collection, "use_gloo_process_groups": False}
+    return get_megatron_optimizer(config, model_chunks, **kwargs)
+
+
+def attach_grad_hooks(config, model_chunks) -> None:
+    """What Megatron-LM's training loop sets so the schedule reduces DP gradients."""
+    from megatron.core.distributed import finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model_chunks]
+    if len(model_chunks) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    config.grad_sync_func = None

@@ -1,0 +1,102 @@
+"""Megatron baseline: the whole MLLM under one TP/PP/DP layout (megatron-core).
+
+The encoder sits in the first pipeline stage and the generator in the last, as Megatron-LM
+trains multimodal models; the backbone's layers are split evenly over the stages. DP is
+what remains of the process count. Megatron DDP, the distributed optimizer and
+`get_forward_backward_func` (1F1B when PP > 1) do the training.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
+
+
+def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
+    tp, pp = int(options["tp"]), int(options["pp"])
+    if tp < 1 or pp < 1 or nproc % (tp * pp):
+        raise ConfigError(f"tp={tp} x pp={pp} does not divide --nproc {nproc}; choose tp*pp dividing it")
+    dp = nproc // (tp * pp)
+    for module in ("encoder", "backbone", "generator"):
+        shape = getattr(workload, module)
+        if shape.num_attention_heads % tp:
+            raise ConfigError(f"tp={tp} does not divide the {module}'s {shape.num_attention_heads} attention heads")
+    b = workload.backbone
+    if b.num_query_groups % tp or b.vocab_size % tp or b.ffn_hidden_size % tp:
+        raise ConfigError(f"tp={tp} does not divide the backbone's query groups ({b.num_query_groups}), "
+                          f"vocabulary ({b.vocab_size}) or FFN width ({b.ffn_hidden_size})")
+    if b.num_layers % pp:
+        raise ConfigError(f"pp={pp} does not divide the backbone's {b.num_layers} layers")
+    if global_batch_size % (micro_batch_size * dp):
+        raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size}"
+                          f" x dp {dp}; change --nproc, tp/pp or global_batch_size")
+    return Layout(label=f"tp{tp}-pp{pp}-dp{dp}", num_devices=nproc, details={"tp": tp, "pp": pp, "dp": dp},
+                  module_dp={"encoder": dp, "backbone": dp, "generator": dp})
+
+
+@register
+class MegatronSystem(SystemAdapter):
+    name = "megatron"
+    options = {"tp": 1, "pp": 1}
+
+    def layout(self, options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
+        return monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size)
+
+    def setup(self, ctx) -> None:
+        from systems import _mcore
+        _mcore.use_cpu_if_needed(ctx.device)
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from workloads.mllm import MLLMStage
+
+        tp, pp = ctx.layout.details["tp"], ctx.layout.details["pp"]
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed)
+        pg = ProcessGroupCollection.use_mpu_process_groups()
+        self.ctx, self.ps = ctx, ps
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        stage = MLLMStage(ctx.workload, tp_size=tp, pp_size=pp, pp_rank=self.pp_rank, pg=pg, dtype=ctx.dtype,
+                          seed=ctx.cfg.seed).to(ctx.device)
+        self.config = stage.config
+        self.model = _mcore.wrap_ddp(stage, stage.config)
+        self.optimizer = _mcore.build_optimizer([self.model], ctx.cfg.optim, ctx.dtype)
+        _mcore.attach_grad_hooks(self.config, [self.model])
+        # Only one replica of each sample reports its loss: TP rank 0 of the last stage.
+        self.reports_loss = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+    def train_step(self, step: int) -> StepOutput:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.dp_size)
+        sums = torch.zeros(3, dtype=torch.float64)
+
+        def loss_func(mb_size, output):
+            lm, gen = output
+            per_sample = lm + gen
+            sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
+            # The schedule divides by the number of microbatches; DDP averages over DP.
+            return per_sample.mean(), {}
+
+        def forward_step(iterator, model):
+            mb = next(iterator)
+            return model(mb), partial(loss_func, mb.size)
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
+            num_microbatches=len(microbatches), seq_length=self.ctx.workload.backbone.seq_length,
+            micro_batch_size=microbatches[0].size, forward_only=False)
+        ok, _, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
+        out = StepOutput()
+        if self.reports_loss:
+            out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
+        return out
+
+    def teardown(self) -> None:
+        self.ps.destroy_model_parallel()

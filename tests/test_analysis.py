@@ -1,0 +1,234 @@
+"""analysis/: frames from records, every figure, the report, refusal of malformed records."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from analysis import load as load_mod  # noqa: E402
+from analysis.__main__ import main  # noqa: E402
+from analysis.figures import FIGURES, NoData, draw_all  # noqa: E402
+from analysis.report import write_report  # noqa: E402
+from bench.records import RecordError, build_record  # noqa: E402
+
+SYSTEM_SPEED = {"megatron": 1.0, "deepspeed": 0.9, "disttrain": 1.45}
+LAYOUTS = {"megatron": ["tp1-pp1-dp{n}", "tp2-pp1-dp{h}"], "deepspeed": ["zero2-dp{n}"],
+           "disttrain": ["enc:1x1,llm:1x1x{h},gen:1x1"]}
+
+
+def _timeline(ranks: int, busy_share: float) -> list[dict]:
+    out, t = [], 0.0
+    for r in range(ranks):
+        t = 0.02 * r
+        for module in ("encoder", "backbone", "generator"):
+            for kind, dur in (("fwd", 0.05), ("bwd", 0.09)):
+                out.append({"rank": r, "module": module, "kind": kind, "start_s": t,
+                            "end_s": t + dur * busy_share})
+                t += dur
+        out.append({"rank": r, "module": "backbone", "kind": "comm", "start_s": t, "end_s": t + 0.03})
+    return out
+
+
+def _steps(n: int, speed: float, ranks: int, seed: int, timeline: bool = True) -> list[dict]:
+    steps = []
+    for i in range(n):
+        lm = 6.0 * math.exp(-i / 12) + 1.5 + 0.01 * ((seed * 7 + i) % 3)
+        gen = 0.9 * math.exp(-i / 20) + 0.2
+        step = {"step": i, "latency_s": 1.0 / speed, "loss": lm + gen, "lm_loss": lm,
+                "gen_loss": gen, "data_wait_s": 0.05,
+                "rank_busy_s": [0.8 / speed] * ranks, "rank_idle_s": [0.2 / speed] * ranks}
+        if timeline and i == n - 1:
+            step["timeline"] = _timeline(ranks, min(speed, 1.0))
+        steps.append(step)
+    return steps
+
+
+def _metrics(sps: float, n: int, **extra) -> dict:
+    mfu = 0.02 * sps / n
+    return {"samples_per_s": sps, "tokens_per_s": sps * 512, "samples_per_s_per_device": sps / n,
+            "tokens_per_s_per_device": sps * 512 / n, "mfu": mfu,
+            "mfu_per_module": {"encoder": mfu * 0.2, "backbone": mfu * 0.6, "generator": mfu * 0.2},
+            **extra}
+
+
+def _record(i, system, workload, n, *, mode="measured", status="ok", layout=None, exp="main",
+            speed=None, data=None, tags=None, extra=None, timeline=True):
+    speed = SYSTEM_SPEED[system] if speed is None else speed
+    label = layout or LAYOUTS[system][0].format(n=n, h=max(n // 2, 1))
+    base = {"tiny": 8.0, "small": 3.0, "mllm-9b": 40.0, "mllm-15b": 25.0, "mllm-72b": 6.0}[workload]
+    kw = dict(run_id=f"r{i:03d}", system=system, workload=workload, data_profile="heterogeneous",
+              status=status, layout={"label": label}, num_devices=n, mode=mode, env={},
+              config={"data": data or {"reorder": "none", "preprocess": "colocated"}},
+              tags={"experiment": exp, **(tags or {})})
+    if status != "ok":
+        return build_record(**kw, reason=f"{system} {status}: out of memory | at step 3")
+    if mode == "simulated":
+        return build_record(**kw, assumptions={"cost_model": "roofline"},
+                            metrics=_metrics(base * speed * n / 64, n, iteration_time_s=1.0))
+    return build_record(**kw, steps=_steps(20, speed, n, i, timeline),
+                        metrics=_metrics(base * speed * n / 2, n, **(extra or {})))
+
+
+def synthetic_records() -> list[dict]:
+    recs, i = [], iter(range(1000))
+    for system, layouts in LAYOUTS.items():
+        for layout in layouts:  # main measured, two megatron layouts
+            recs.append(_record(next(i), system, "tiny", 2, layout=layout.format(n=2, h=1),
+                                speed=SYSTEM_SPEED[system] * (0.85 if "tp2" in layout else 1)))
+        recs.append(_record(next(i), system, "small", 4, timeline=system != "megatron"))
+        for n in (1, 4):
+            recs.append(_record(next(i), system, "tiny", n, exp="scaling"))
+        for workload in ("mllm-9b", "mllm-72b"):
+            for n in (64, 128, 256):
+                recs.append(_record(next(i), system, workload, n, mode="simulated", exp="scaling"))
+    for plan, speed in (("auto", 1.45), ("naive", 1.1)):
+        recs.append(_record(next(i), "disttrain", "small", 4, exp="orchestration", speed=speed,
+                            tags={"plan_kind": plan}))
+    for reorder, speed, imb in (("none", 1.2, 1.8), ("intra", 1.3, 1.4), ("inter", 1.35, 1.3),
+                                ("both", 1.45, 1.1)):
+        recs.append(_record(next(i), "disttrain", "small", 4, exp="reorder", speed=speed,
+                            data={"reorder": reorder}, extra={"encoder_load_imbalance": imb}))
+    for prep, speed, wait in (("colocated", 1.1, 0.3), ("disaggregated", 1.45, 0.02)):
+        recs.append(_record(next(i), "disttrain", "small", 4, exp="preprocess", speed=speed,
+                            data={"preprocess": prep}, extra={"data_wait_fraction": wait}))
+    recs.append(_record(next(i), "deepspeed", "mllm-15b", 64, status="failed"))
+    recs.append(_record(next(i), "megatron", "mllm-15b", 64, status="skipped"))
+    return recs
+
+
+def write_results(directory, records) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    half = len(records) // 2
+    for name, chunk in (("a.jsonl", records[:half]), ("b.jsonl", records[half:])):
+        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in chunk))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("results")
+    records = synthetic_records()
+    write_results(d, records)
+    return d, records
+
+
+@pytest.fixture(scope="module")
+def data(results):
+    return load_mod.load(results[0])
+
+
+def test_runs_frame_one_row_per_record(data, results):
+    runs = data.runs
+    assert len(runs) == len(results[1])
+    assert set(load_mod.RUN_COLUMNS) <= set(runs.columns)
+    assert {"metrics.samples_per_s", "layout.label", "tags.experiment"} <= set(runs.columns)
+    assert set(runs["status"]) == {"ok", "failed", "skipped"}
+    assert set(runs["mode"]) == {"measured", "simulated"}
+    assert runs["source"].str.match(r"[ab]\.jsonl:\d+$").all()
+    assert sorted(runs.loc[runs["experiment"] == "reorder", "reorder"]) == ["both", "inter", "intra", "none"]
+
+
+def test_steps_frame_and_speedup(data, results):
+    measured_ok = [r for r in results[1] if r["mode"] == "measured" and r["status"] == "ok"]
+    assert len(data.steps) == sum(len(r["steps"]) for r in measured_ok)
+    assert {"run_id", "system", "step", "loss", "lm_loss", "timeline"} <= set(data.steps.columns)
+    runs = data.runs
+    main_tiny = runs[(runs["workload"] == "tiny") & (runs["num_devices"] == 2)]
+    best_megatron = main_tiny[main_tiny["system"] == "megatron"]["speedup"].max()
+    assert best_megatron == pytest.approx(1.0)
+    disttrain = main_tiny[main_tiny["system"] == "disttrain"]["speedup"].iloc[0]
+    assert disttrain == pytest.approx(1.45)
+    assert runs[runs["status"] != "ok"]["speedup"].isna().all()
+
+
+UNIT = re.compile(r"\(.+\)")
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_figure_has_title_units_legend(data, name):
+    fig = FIGURES[name](data)
+    try:
+        titles = [fig._suptitle.get_text() if fig._suptitle else ""] + [a.get_title() for a in fig.axes]
+        assert any(t.strip() for t in titles)
+        drawn = [a for a in fig.axes if a.has_data()]
+        assert drawn
+        labels = [a.get_ylabel() for a in drawn] + [a.get_xlabel() for a in drawn]
+        assert all(UNIT.search(t) for t in labels if t), labels  # every label names its unit
+        xlabels = [a.get_xlabel() for a in drawn] + [fig._supxlabel.get_text() if fig._supxlabel else ""]
+        assert any(UNIT.search(t) for t in xlabels)
+        assert UNIT.search(drawn[0].get_ylabel())
+        assert fig.legends or any(a.get_legend() for a in fig.axes)
+        assert fig.get_size_inches()[0] >= 6
+    finally:
+        plt.close(fig)
+
+
+def test_simulated_is_labelled(data):
+    for name in ("throughput", "scaling"):
+        fig = FIGURES[name](data)
+        texts = [a.get_title() for a in fig.axes] + [t.get_text() for lg in fig.legends for t in lg.get_texts()]
+        assert any("simulated" in t for t in texts), name
+        plt.close(fig)
+
+
+def test_figure_without_data_is_skipped(tmp_path):
+    d = tmp_path / "results"
+    write_results(d, [_record(0, "disttrain", "tiny", 2)])
+    data = load_mod.load(d)
+    for name in ("speedup", "scaling", "orchestration", "reorder", "preprocess"):
+        with pytest.raises(NoData):
+            FIGURES[name](data)
+    outcomes = {o.name: o for o in draw_all(data, tmp_path / "out")}
+    assert outcomes["speedup"].skipped and not (tmp_path / "out" / "speedup.png").exists()
+    assert outcomes["throughput"].path.exists()
+
+
+def test_timeline_falls_back_to_busy_idle_bars(tmp_path):
+    d = tmp_path / "results"
+    write_results(d, [_record(0, "megatron", "tiny", 2, timeline=False)])
+    fig = FIGURES["timeline"](load_mod.load(d))
+    assert any("bubble" in t.get_text() for lg in fig.legends for t in lg.get_texts())
+    plt.close(fig)
+
+
+def test_report_written_and_references_existing_pngs(results, tmp_path):
+    out = tmp_path / "report"
+    path = write_report(results[0], out)
+    text = path.read_text()
+    pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
+    assert len(pngs) == len(FIGURES)  # every figure has data in the synthetic set
+    assert all((out / p).is_file() and (out / p).stat().st_size > 5000 for p in pngs)
+    assert "| system | workload | profile | layout | devices | mode |" in text
+    assert "speedup vs megatron" in text and "1.45×" in text
+    assert "**failed** `deepspeed`" in text and "**skipped** `megatron`" in text
+    assert "out of memory \\| at step 3" in text  # a pipe in a reason does not break the table
+
+
+def test_cli_report(results, tmp_path, capsys):
+    assert main(["report", "--results", str(results[0]), "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "report.md").is_file()
+    assert main(["report", "--results", str(tmp_path / "empty")]) == 1
+
+
+def test_bad_json_line_refused_with_file_and_line(tmp_path):
+    good = json.dumps(_record(0, "megatron", "tiny", 2))
+    (tmp_path / "x.jsonl").write_text(good + "\n\n" + good + "\n{not json\n")
+    with pytest.raises(RecordError, match=r"x\.jsonl:4: "):
+        load_mod.load(tmp_path)
+
+
+def test_record_missing_key_refused_with_file_and_line(tmp_path, capsys):
+    record = _record(0, "megatron", "tiny", 2)
+    del record["tags"]
+    (tmp_path / "y.jsonl").write_text(json.dumps(_record(1, "megatron", "tiny", 2)) + "\n"
+                                      + json.dumps(record) + "\n")
+    with pytest.raises(RecordError, match=r"y\.jsonl:2: missing keys \['tags'\]"):
+        load_mod.load(tmp_path)
+    assert main(["report", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "y.jsonl:2" in err

@@ -1,0 +1,173 @@
+"""The three-module MLLM, built from megatron-core layers so every system trains one definition.
+
+Encoder (ViT + projector) -> backbone (Llama-style decoder) -> generator (DiT denoiser).
+Each module takes a `ProcessGroupCollection` (tp, pp at least), so the Megatron baseline
+can place all three under one layout and the disaggregated system can give each its own.
+At TP=1 and PP=1 the modules are plain torch modules (DeepSpeed trains them that way).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from workloads.batch import MicroBatch
+from workloads.flops import TIMESTEP_FREQ_DIM
+from workloads.losses import vocab_parallel_cross_entropy
+from workloads.presets import Workload
+
+INIT_STD = 0.02
+
+
+def module_config(shape, *, tp_size: int, pp_size: int = 1, gated: bool, dtype: torch.dtype,
+                  num_query_groups: int | None = None, num_layers: int | None = None) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=num_layers or shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size, gated_linear_unit=gated,
+        activation_func=F.silu if gated else F.gelu, normalization="RMSNorm" if gated else "LayerNorm",
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        # CPU initialization builds the full weight then keeps this rank's shard; the
+        # canonical initializer (workloads.init) overwrites values anyway.
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, init_method_std=INIT_STD,
+    )
+
+
+def _block(config: TransformerConfig, pg, *, causal: bool, pre_process=True, post_process=True) -> TransformerBlock:
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    if not causal:
+        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+    return TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process, pg_collection=pg)
+
+
+def _seq_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).contiguous()
+
+
+class ImageEncoder(torch.nn.Module):
+    """ViT over each image's own patches, then a projector into the backbone's width.
+
+    Output: an image "canvas" [b, s, h_backbone] holding projected image tokens at their
+    sequence positions and zeros elsewhere; the backbone adds it to the text embeddings.
+    """
+
+    def __init__(self, w: Workload, config: TransformerConfig, pg):
+        super().__init__()
+        e = w.encoder
+        self.seq_length, self.out_hidden = w.backbone.seq_length, w.backbone.hidden_size
+        self.patch_embed = torch.nn.Linear(w.image_patch_dim, e.hidden_size, bias=False, dtype=config.params_dtype)
+        max_patches = max(w.image_tokens(r) for r in e.resolutions)
+        self.pos_embed = torch.nn.Parameter(torch.zeros(max_patches, e.hidden_size, dtype=config.params_dtype))
+        self.vit = _block(config, pg, causal=False)
+        self.proj_in = torch.nn.Linear(e.hidden_size, self.out_hidden, bias=False, dtype=config.params_dtype)
+        self.proj_out = torch.nn.Linear(self.out_hidden, self.out_hidden, bias=False, dtype=config.params_dtype)
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        dtype = self.patch_embed.weight.dtype
+        canvas = torch.zeros(mb.size, self.seq_length, self.out_hidden, dtype=dtype, device=mb.tokens.device)
+        for group in mb.image_groups:
+            n = group.patches.shape[1]
+            x = self.patch_embed(group.patches.to(dtype)) + self.pos_embed[:n]
+            x = self.vit(_seq_first(x), attention_mask=None)               # [n, imgs, h]
+            x = self.proj_out(F.gelu(self.proj_in(x.transpose(0, 1))))      # [imgs, n, h_b]
+            rows = group.sample_row[:, None].expand(-1, n)
+            cols = group.token_offset[:, None] + torch.arange(n, device=x.device)
+            canvas = canvas.index_put((rows, cols), x)
+        return canvas
+
+
+class Backbone(torch.nn.Module):
+    """Llama-style decoder (or this pipeline stage's slice of it)."""
+
+    def __init__(self, w: Workload, config: TransformerConfig, pg, *, pre_process=True, post_process=True):
+        super().__init__()
+        b = w.backbone
+        self.pre_process, self.post_process, self.tp_group = pre_process, post_process, pg.tp
+        self.num_cond_tokens = w.generator.num_cond_tokens
+        init = lambda t: torch.nn.init.normal_(t, std=INIT_STD)
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(b.vocab_size, b.hidden_size, init_method=init,
+                                                    config=config, tp_group=pg.tp)
+        self.rotary = RotaryEmbedding(kv_channels=b.hidden_size // b.num_attention_heads, rotary_percent=1.0,
+                                      cp_group=pg.cp)
+        self.decoder = _block(config, pg, causal=True, pre_process=pre_process, post_process=post_process)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(b.hidden_size, b.vocab_size, config=config, init_method=init,
+                                                     bias=False, gather_output=False, tp_group=pg.tp)
+
+    def set_input_tensor(self, tensor):
+        self.decoder.set_input_tensor(tensor)
+
+    def forward(self, mb: MicroBatch, image_canvas: torch.Tensor | None = None):
+        """Returns hidden states [s, b, h] on inner stages; on the last stage the per-sample
+        LM loss [b] and the conditioning states [b, K, h] for the generator."""
+        hidden = None
+        if self.pre_process:
+            # Image positions hold the tokenizer's <image> placeholder (id 0), whose embedding
+            # is added to the projected image features, as LLaVA-style models do.
+            text = self.embedding(mb.tokens)
+            hidden = _seq_first(text if image_canvas is None else text + image_canvas)
+        rope = self.rotary(mb.tokens.shape[1])
+        hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=rope)
+        if not self.post_process:
+            return hidden
+        logits, _ = self.output_layer(hidden)                                # [s, b, V/tp]
+        token_loss = vocab_parallel_cross_entropy(logits.float(), _seq_first(mb.labels), self.tp_group)
+        mask = mb.loss_mask
+        lm_loss = (token_loss.transpose(0, 1) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        cond = hidden[-self.num_cond_tokens:].transpose(0, 1)                 # [b, K, h]
+        return lm_loss, cond
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = TIMESTEP_FREQ_DIM) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    angles = t.float()[:, None] * 1000.0 * freqs[None]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+class ImageGenerator(torch.nn.Module):
+    """DiT-style denoiser: conditioning tokens and noisy latent patches attend jointly
+    (in-context conditioning); trained to predict the noise (MSE)."""
+
+    def __init__(self, w: Workload, config: TransformerConfig, pg):
+        super().__init__()
+        g, dtype = w.generator, config.params_dtype
+        self.cond_proj = torch.nn.Linear(w.backbone.hidden_size, g.hidden_size, bias=False, dtype=dtype)
+        self.latent_embed = torch.nn.Linear(w.latent_patch_dim, g.hidden_size, bias=False, dtype=dtype)
+        max_tokens = max(w.latent_tokens(r) for r in g.resolutions)
+        self.pos_embed = torch.nn.Parameter(torch.zeros(max_tokens, g.hidden_size, dtype=dtype))
+        self.time_in = torch.nn.Linear(TIMESTEP_FREQ_DIM, g.hidden_size, bias=False, dtype=dtype)
+        self.time_out = torch.nn.Linear(g.hidden_size, g.hidden_size, bias=False, dtype=dtype)
+        self.dit = _block(config, pg, causal=False)
+        self.head = torch.nn.Linear(g.hidden_size, w.latent_patch_dim, bias=False, dtype=dtype)
+
+    def forward(self, mb: MicroBatch, cond: torch.Tensor) -> torch.Tensor:
+        """Per-sample generator loss [b]: mean over the sample's output images (0 if none)."""
+        dtype = self.head.weight.dtype
+        loss_sum = torch.zeros(mb.size, dtype=torch.float32, device=cond.device)
+        count = torch.zeros(mb.size, dtype=torch.float32, device=cond.device)
+        for group in mb.latent_groups:
+            t = group.timesteps
+            alpha = torch.cos(t * math.pi / 2)[:, None, None]
+            sigma = torch.sin(t * math.pi / 2)[:, None, None]
+            noisy = (alpha * group.latents + sigma * group.noise).to(dtype)
+            n = noisy.shape[1]
+            temb = self.time_out(F.silu(self.time_in(timestep_embedding(t).to(dtype))))
+            x = self.latent_embed(noisy) + self.pos_embed[:n] + temb[:, None]
+            c = self.cond_proj(cond[group.sample_row].to(dtype))
+            y = self.dit(_seq_first(torch.cat([c, x], dim=1)), attention_mask=None)
+            pred = self.head(y[c.shape[1]:].transpose(0, 1))
+            mse = ((pred.float() - group.noise) ** 2).mean(dim=(1, 2))
+            loss_sum = loss_sum.index_add(0, group.sample_row, mse)
+            count = count.index_add(0, group.sample_row, torch.ones_like(mse))
+        return loss_sum / count.clamp(min=1)

@@ -1,0 +1,169 @@
+"""Workload presets: model shapes of the three-module MLLM plus a data profile.
+
+A workload is what every system trains: the same shapes, the same data, the same FLOPs.
+Paper-scale presets follow public model cards (cited per preset); `tiny` and `small`
+keep the same structure at CPU size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from workloads.profiles import DATA_PROFILES, DataProfile
+
+
+@dataclass(frozen=True)
+class EncoderShape:
+    """ViT image encoder. Each input image becomes (resolution / patch_size)^2 patches."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    patch_size: int
+    # Resolutions (square, pixels) an input image is resized to; a profile picks among them.
+    resolutions: tuple[int, ...]
+    num_channels: int = 3
+
+
+@dataclass(frozen=True)
+class BackboneShape:
+    """Llama-style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    # Every sample is packed to exactly this many tokens (image tokens + text tokens),
+    # so the backbone's work per sample is constant while encoder/generator work varies.
+    seq_length: int
+
+
+@dataclass(frozen=True)
+class GeneratorShape:
+    """DiT-style denoiser over latent patches, conditioned on backbone hidden states.
+
+    The latent of an output image is the image downsampled by `latent_downsample` (a fixed,
+    untrained stand-in for a frozen VAE encoder, whose FLOPs DistTrain does not train either),
+    cut into `latent_patch_size`^2 patches.
+    """
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    latent_channels: int
+    latent_downsample: int
+    latent_patch_size: int
+    resolutions: tuple[int, ...]
+    # The last `num_cond_tokens` backbone hidden states of a sample condition its images.
+    num_cond_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    encoder: EncoderShape
+    backbone: BackboneShape
+    generator: GeneratorShape
+    data_profile: DataProfile
+    global_batch_size: int
+    micro_batch_size: int
+    source: str
+    # Text tokens every sample keeps even when images are plentiful.
+    min_text_tokens: int = 16
+
+    def with_profile(self, profile_name: str) -> "Workload":
+        if profile_name not in DATA_PROFILES:
+            raise KeyError(f"unknown data profile {profile_name!r}; choose one of {sorted(DATA_PROFILES)}")
+        return replace(self, data_profile=DATA_PROFILES[profile_name])
+
+    def image_tokens(self, resolution: int) -> int:
+        return (resolution // self.encoder.patch_size) ** 2
+
+    def latent_tokens(self, resolution: int) -> int:
+        side = resolution // self.generator.latent_downsample // self.generator.latent_patch_size
+        return side * side
+
+    @property
+    def latent_patch_dim(self) -> int:
+        return self.generator.latent_channels * self.generator.latent_patch_size ** 2
+
+    @property
+    def image_patch_dim(self) -> int:
+        return self.encoder.num_channels * self.encoder.patch_size ** 2
+
+
+_VIT_H14 = dict(num_layers=32, hidden_size=1280, num_attention_heads=16, ffn_hidden_size=5120, patch_size=14)
+_DIT_XL2 = dict(num_layers=28, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4608,
+                latent_channels=4, latent_downsample=8, latent_patch_size=2)
+_PAPER_SOURCE = ("encoder: ViT-H/14 (Dosovitskiy et al. 2021, arXiv 2010.11929, table 1: 32 layers, width 1280, "
+                 "MLP 5120, 16 heads); generator: DiT-XL/2 (Peebles & Xie 2023, arXiv 2212.09748, table 1: "
+                 "28 layers, width 1152, 16 heads, patch 2 over a /8 4-channel VAE latent); backbone: ")
+
+PRESETS: dict[str, Workload] = {
+    "tiny": Workload(
+        name="tiny",
+        encoder=EncoderShape(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                             patch_size=8, resolutions=(16, 24, 32)),
+        backbone=BackboneShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=160, vocab_size=512, seq_length=96),
+        generator=GeneratorShape(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                 latent_channels=3, latent_downsample=4, latent_patch_size=2,
+                                 resolutions=(16, 32), num_cond_tokens=4),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=8, micro_batch_size=2,
+        source="CPU test size (well under 3M parameters); same structure as the paper-scale presets",
+    ),
+    "small": Workload(
+        name="small",
+        encoder=EncoderShape(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+                             patch_size=16, resolutions=(64, 96, 128)),
+        backbone=BackboneShape(num_layers=6, hidden_size=384, num_attention_heads=6, num_query_groups=2,
+                               ffn_hidden_size=1024, vocab_size=4096, seq_length=192),
+        generator=GeneratorShape(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+                                 latent_channels=3, latent_downsample=4, latent_patch_size=2,
+                                 resolutions=(32, 64), num_cond_tokens=8),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=16, micro_batch_size=2,
+        source="CPU benchmark size (about 20M parameters); same structure as the paper-scale presets",
+    ),
+    "mllm-9b": Workload(
+        name="mllm-9b",
+        encoder=EncoderShape(**_VIT_H14, resolutions=(224, 336, 448)),
+        backbone=BackboneShape(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                               ffn_hidden_size=14336, vocab_size=128256, seq_length=8192),
+        generator=GeneratorShape(**_DIT_XL2, resolutions=(256, 512), num_cond_tokens=64),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=512, micro_batch_size=1,
+        source=_PAPER_SOURCE + "Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, "
+               "32 heads, 8 KV heads, FFN 14336, vocab 128256)",
+    ),
+    "mllm-15b": Workload(
+        name="mllm-15b",
+        encoder=EncoderShape(**_VIT_H14, resolutions=(224, 336, 448)),
+        backbone=BackboneShape(num_layers=40, hidden_size=5120, num_attention_heads=40, num_query_groups=40,
+                               ffn_hidden_size=13824, vocab_size=32000, seq_length=4096),
+        generator=GeneratorShape(**_DIT_XL2, resolutions=(256, 512), num_cond_tokens=64),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=512, micro_batch_size=1,
+        source=_PAPER_SOURCE + "Llama-2-13B (meta-llama/Llama-2-13b-hf config.json: 40 layers, hidden 5120, "
+               "40 heads, no GQA, FFN 13824, vocab 32000)",
+    ),
+    "mllm-72b": Workload(
+        name="mllm-72b",
+        encoder=EncoderShape(**_VIT_H14, resolutions=(224, 336, 448)),
+        backbone=BackboneShape(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                               ffn_hidden_size=28672, vocab_size=128256, seq_length=8192),
+        generator=GeneratorShape(**_DIT_XL2, resolutions=(256, 512), num_cond_tokens=64),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=1024, micro_batch_size=1,
+        source=_PAPER_SOURCE + "Llama-3-70B (meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, "
+               "64 heads, 8 KV heads, FFN 28672, vocab 128256)",
+    ),
+}
+
+
+def get_workload(name: str, profile: str | None = None) -> Workload:
+    if name not in PRESETS:
+        raise KeyError(f"unknown workload {name!r}; choose one of {sorted(PRESETS)}")
+    workload = PRESETS[name]
+    return workload.with_profile(profile) if profile else workload
