@@ -8,7 +8,7 @@ from __future__ import annotations
 import seaborn as sns
 
 from analysis.load import COMPARE_KEYS, ok, ordered
-from analysis.style import NoData, bars, figure, legend_handles, new_figure, panel_legend, with_groups
+from analysis.style import FIGSIZE, NoData, bars, figure, legend_handles, new_figure, panel_legend, with_groups
 
 GROUP_XLABEL = "workload · data profile · devices (count)"
 
@@ -25,11 +25,14 @@ def _ablation(data, experiment: str, variant: str, variants: tuple, panels: list
     present = ordered(best[variant], variants)
     palette = dict(zip(present, sns.color_palette(colors, len(present) + 1)[1:]))
     best, order = with_groups(best, with_system=best["system"].nunique() > 1, with_mode=True)
-    fig, axes = new_figure(ncols=len(panels))
+    if len(order) <= 2:  # side by side while the groups' tick labels fit
+        fig, axes = new_figure(ncols=len(panels))
+    else:
+        fig, axes = new_figure(nrows=len(panels), size=(FIGSIZE[0], 1.2 + 2.9 * len(panels)))
     for ax, (col, ylabel, scale) in zip(axes, panels):
         value = best.assign(value=best[col] * scale).dropna(subset=["value"])
         bars(ax, value, "group", "value", variant, order, present, palette)
-        ax.set_xlabel(GROUP_XLABEL)
+        ax.set_xlabel(GROUP_XLABEL if ax is axes[-1] or len(order) <= 2 else "")
         ax.set_ylabel(ylabel)
         ax.set_title(ylabel.split(" (")[0])
     simulated = (best["mode"] == "simulated").any()

@@ -18,14 +18,14 @@ def _pick_runs(heads: pd.DataFrame) -> tuple[tuple, pd.DataFrame]:
     """The (workload, profile) with the most systems, and its preferred run per line."""
     size = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
     score = heads.groupby(["workload", "data_profile"]).agg(
-        systems=("system", "nunique"), lines=("layout_label", "size"),
+        systems=("system", "nunique"), lines=("layout_label", "nunique"),
         validation=("experiment", lambda e: (e == "validation").any()))
     best = max(score.index, key=lambda k: (score.loc[k, "systems"], score.loc[k, "validation"],
                                            score.loc[k, "lines"], -size.get(k[0], 99)))
     runs = heads[(heads["workload"] == best[0]) & (heads["data_profile"] == best[1])]
-    runs = runs.assign(_ok=runs["status"] != "ok", _pref=runs["experiment"].map(
+    runs = runs.assign(_failed=runs["status"] != "ok", _pref=runs["experiment"].map(
         lambda e: PREFERENCE.get(e, 2)), _ts=runs["timestamp"])
-    runs = runs.sort_values(["_ok", "_pref", "_ts"], ascending=[True, True, False])
+    runs = runs.sort_values(["_failed", "_pref", "_ts"], ascending=[True, True, False])
     return best, runs
 
 
@@ -39,15 +39,17 @@ def loss(data):
     runs = runs.drop_duplicates(["system", "layout_label"])
     palette = system_palette(runs["system"])
     fig, (ax,) = new_figure()
-    systems = ordered(runs["system"], SYSTEM_ORDER)
-    for i, system in enumerate(systems):
+    k = 0  # lines are drawn widest first, so identical curves nest instead of hiding
+    for system in ordered(runs["system"], SYSTEM_ORDER):
         mine = runs[runs["system"] == system].sort_values("layout_label")
         for j, (_, run) in enumerate(mine.iterrows()):
             curve = st[st["run_id"] == run["run_id"]].sort_values("step")
-            sns.lineplot(data=curve, x="step", y="loss", ax=ax, color=palette[system],
-                         linewidth=max(4.0 - 1.3 * i, 1.2), alpha=0.9,
+            color = tuple(c * (1 - 0.22 * (j % 4)) for c in palette[system])
+            sns.lineplot(data=curve, x="step", y="loss", ax=ax, color=color,
+                         linewidth=max(5.0 - 1.2 * k, 1.0), alpha=0.9,
                          linestyle=("-", "--", ":", "-.")[j % 4], errorbar=None,
                          label=f"{system} · {run['layout_label']}")
+            k += 1
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("training step (iteration #)")
     ax.set_ylabel("training loss (total, dimensionless)")
@@ -63,7 +65,7 @@ def _last_steps(steps: pd.DataFrame, column: str) -> pd.DataFrame:
     st = steps[steps["mode"] == "measured"]
     last = st.sort_values("step").groupby("run_id").tail(1)
     has = last[column].map(lambda v: isinstance(v, (list, tuple)) and len(v) > 0)
-    return last[has]
+    return last.loc[has.astype(bool)]
 
 
 def _busy_union(segments: list[tuple[float, float]]) -> float:
@@ -119,7 +121,7 @@ def timeline(data):
     detailed = not last.empty
     if not detailed:
         last = _last_steps(data.steps, "rank_busy_s")
-        last = last[last["rank_idle_s"].map(lambda v: isinstance(v, (list, tuple)))]
+        last = last.loc[last["rank_idle_s"].map(lambda v: isinstance(v, (list, tuple))).astype(bool)]
     if last.empty:
         raise NoData("no measured step with a per-rank timeline or rank_busy_s/rank_idle_s")
     (workload, profile), runs = _pick_runs(last)
@@ -144,7 +146,8 @@ def timeline(data):
             bubble = _draw_stacked(ax, run, palette[system])
         ax.set_title(f"{system} · {run['layout_label']}: bubble {bubble:.0%} of rank-time")
         ax.set_ylabel("rank (#)")
-    axes[-1].set_xlabel("time since iteration start (s)")
+    axes[-1].set_xlabel("time since iteration start (s)" if detailed
+                        else "busy + idle time in the last step (s)")
     if detailed:
         handles = [Patch(facecolor=MODULE_COLORS.get(m, (0.5, 0.5, 0.5)) if k == "fwd" else
                          tuple(0.6 * c for c in MODULE_COLORS.get(m, (0.5, 0.5, 0.5))),

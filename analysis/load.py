@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench.records import RecordError, read_records
+from bench.records import read_records
 
 WORKLOAD_ORDER = ("tiny", "small", "mllm-9b", "mllm-15b", "mllm-72b")
 SYSTEM_ORDER = ("megatron", "deepspeed", "disttrain")
@@ -33,6 +33,8 @@ ALIASES = {  # short name -> json_normalize column
     "generator_load_imbalance": "metrics.generator_load_imbalance",
     "bubble_fraction": "metrics.bubble_fraction", "step_time_s": "metrics.step_time_s",
 }
+# The column naming the variant of each ablation experiment (tags.experiment).
+VARIANTS = {"orchestration": "plan_kind", "reorder": "reorder", "preprocess": "preprocess"}
 STEP_COLUMNS = ("run_id", "system", "workload", "data_profile", "mode", "status", "layout_label",
                 "experiment", "timestamp", "step", "latency_s", "loss", "lm_loss", "gen_loss",
                 "data_wait_s", "rank_busy_s", "rank_idle_s", "timeline")
@@ -46,7 +48,9 @@ class Results:
 
 
 def load_records(results_dir: Path | str) -> tuple[list[dict], list[Path]]:
-    """All records of `results_dir/*.jsonl`, each tagged with `_source` = "file:line"."""
+    """All records of `results_dir/*.jsonl`, each tagged with `_source` = "file:line".
+
+    A malformed line raises bench.records.RecordError("<file>:<line>: <problem>")."""
     files = sorted(Path(results_dir).glob("*.jsonl"))
     records = []
     for path in files:

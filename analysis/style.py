@@ -85,7 +85,8 @@ def bars(ax, df: pd.DataFrame, x: str, y: str, hue: str, order, hue_order, palet
          annotate: str | None = None, skip_annotate=()) -> None:
     """Seaborn bars; a bar whose row is simulated (df['mode']) is hatched."""
     sns.barplot(data=df, x=x, y=y, hue=hue, order=order, hue_order=hue_order, palette=palette,
-                errorbar=None, ax=ax, edgecolor="black", linewidth=0.6, legend=False)
+                errorbar=None, ax=ax, edgecolor="black", linewidth=0.6, legend=False,
+                width=min(0.8, 0.3 * len(hue_order)))  # a lone bar is not a wall
     sim = {(r[x], r[hue]) for _, r in df.iterrows() if r["mode"] == "simulated"}
     for level, container in zip(hue_order, ax.containers):
         for bar in container:
@@ -96,6 +97,10 @@ def bars(ax, df: pd.DataFrame, x: str, y: str, hue: str, order, hue_order, palet
                 bar.set_hatch(SIM_HATCH)
         if annotate and level not in skip_annotate:
             ax.bar_label(container, fmt=annotate, fontsize=9, padding=2)
+    if len(order) > 5:
+        ax.tick_params(axis="x", labelrotation=30)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
 
 
 def legend_handles(palette: dict, simulated: bool, labels: dict | None = None) -> list:

@@ -1,6 +1,7 @@
 """Launch one run with torchrun, measure it, and append its record (ok, failed or skipped)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -63,7 +64,8 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
               flush=True)
         if not quiet:
             print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
-        rc, tail = _launch(cmd, cfg, log_path, quiet)
+        with _data_service(cfg, dataset) as service_env:
+            rc, tail = _launch(cmd, cfg, log_path, quiet, service_env)
         raw = json.loads(out.read_text()) if rc == 0 and out.exists() else None
     record = _record(cfg, layout, run_id, raw, rc, tail, dataset)
     records.append_record(record, results)
@@ -74,8 +76,17 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
     return record
 
 
-def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool) -> tuple[int, str]:
-    env = dict(os.environ)
+def _data_service(cfg: RunConfig, dataset: Path):
+    """Disaggregated preprocessing runs in its own processes for the run's lifetime; the
+    trainers learn where to find them through the environment variables it yields."""
+    if cfg.data.preprocess == "disaggregated":
+        from bench.preprocess import preprocess_service
+        return preprocess_service(cfg, dataset)
+    return contextlib.nullcontext({})
+
+
+def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_env: dict) -> tuple[int, str]:
+    env = dict(os.environ) | extra_env
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", str(cfg.threads_per_proc))
     env["PYTHONWARNINGS"] = "ignore"

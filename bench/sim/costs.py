@@ -40,17 +40,23 @@ LOGIT_BYTES = 4
 MODULES = ("encoder", "backbone", "generator")
 
 
-def ring_allreduce(nbytes, n: int, bw: float, lat: float):
-    if n <= 1:
-        return 0.0 * np.asarray(nbytes)
+def ring_allreduce(nbytes, n, bw, lat):
+    """Ring all-reduce of `nbytes` over n ranks (0 for n = 1); array-friendly."""
+    n = np.asarray(n, dtype=np.float64)
     return 2 * (n - 1) / n * np.asarray(nbytes, dtype=np.float64) / bw + 2 * (n - 1) * lat
 
 
-def ring_shard(nbytes, n: int, bw: float, lat: float):
-    """Reduce-scatter or all-gather of `nbytes` in total over n ranks."""
-    if n <= 1:
-        return 0.0 * np.asarray(nbytes)
+def ring_shard(nbytes, n, bw, lat):
+    """Reduce-scatter or all-gather of `nbytes` in total over n ranks (0 for n = 1)."""
+    n = np.asarray(n, dtype=np.float64)
     return (n - 1) / n * np.asarray(nbytes, dtype=np.float64) / bw + (n - 1) * lat
+
+
+def link(cluster: Cluster, spans_nodes):
+    """(bandwidth, latency) arrays: InfiniBand where a group spans nodes, NVLink otherwise."""
+    spans = np.asarray(spans_nodes, dtype=bool)
+    return (np.where(spans, cluster.inter_node_bw, cluster.intra_node_bw),
+            np.where(spans, cluster.inter_node_latency, cluster.intra_node_latency))
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, reco
     if tp <= 1:
         z = 0.0 * np.asarray(tokens, dtype=np.float64)
         return z, z
-    bw, lat = cluster.link(tp > cluster.gpus_per_node)
+    bw, lat = link(cluster, tp > cluster.gpus_per_node)
     one = ring_allreduce(np.asarray(tokens, dtype=np.float64) * hidden * 2, tp, bw, lat) * layers
     return 2 * one, (4 if recompute else 2) * one
 
@@ -148,24 +154,25 @@ def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: i
     return cf + mf, cb + mb
 
 
-def p2p_time(tokens: float, hidden: int, tp: int, cluster: Cluster, spans_nodes: bool) -> float:
-    bw, lat = cluster.link(spans_nodes)
-    return float(tokens * hidden * 2 / tp / bw + lat)
+def p2p_time(tokens, hidden: int, tp, cluster: Cluster, spans_nodes):
+    """One pipeline transfer of `tokens` activations (bf16), scattered over the TP ranks."""
+    bw, lat = link(cluster, spans_nodes)
+    return np.asarray(tokens, dtype=np.float64) * hidden * 2 / tp / bw + lat
 
 
-def dp_sync_time(params_per_gpu: float, dp: int, spans_nodes: bool, cluster: Cluster) -> float:
+def dp_sync_time(params_per_gpu, dp, spans_nodes, cluster: Cluster):
     """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16)."""
-    bw, lat = cluster.link(spans_nodes)
-    return float(ring_allreduce(params_per_gpu * GRAD_BYTES, dp, bw, lat))
+    bw, lat = link(cluster, spans_nodes)
+    return ring_allreduce(np.asarray(params_per_gpu, dtype=np.float64) * GRAD_BYTES, dp, bw, lat)
 
 
-def zero3_microbatch_comm(params: float, dp: int, spans_nodes: bool, cluster: Cluster) -> float:
+def zero3_microbatch_comm(params, dp, spans_nodes, cluster: Cluster):
     """ZeRO-3 per microbatch: all-gather for forward and backward, reduce-scatter of gradients."""
-    bw, lat = cluster.link(spans_nodes)
-    return float(3 * ring_shard(params * WEIGHT_BYTES, dp, bw, lat))
+    bw, lat = link(cluster, spans_nodes)
+    return 3 * ring_shard(np.asarray(params, dtype=np.float64) * WEIGHT_BYTES, dp, bw, lat)
 
 
-def state_bytes(params: float, dp: int, zero_stage: int = 1) -> float:
+def state_bytes(params, dp, zero_stage: int = 1):
     """Weights + gradients + optimizer states per GPU, sharded over dp by ZeRO stage."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0-3, got {zero_stage}")

@@ -1,0 +1,26 @@
+"""Shared by the multi-process tests: run one configuration through the real runner."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.config import resolve
+from bench.runner import run
+
+FAST = {"warmup": 0, "steps": 5, "data.num_samples": 64}
+
+
+def run_record(system: str, nproc: int, sets: dict, results: Path, workload: str = "tiny") -> dict:
+    cfg, layout = resolve(system, workload, nproc, {**FAST, **sets})
+    return run(cfg, layout, results=results, wandb_mode="disabled", quiet=True)
+
+
+def losses(record: dict) -> list[float]:
+    assert record["status"] == "ok", record["reason"]
+    return [s["loss"] for s in record["steps"]]
+
+
+def assert_parity(record: dict, reference: dict, rel: float = 1e-4) -> None:
+    got, want = losses(record), losses(reference)
+    assert len(got) == len(want) == 5
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rel * abs(w), f"step {step}: {g} vs reference {w} ({record['layout']['label']})"

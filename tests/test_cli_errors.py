@@ -1,0 +1,32 @@
+"""Bad input: one line saying what is wrong, non-zero exit, nothing launched or appended."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+CASES = [
+    (["--system", "nosuch", "--workload", "tiny"], "unknown system 'nosuch'"),
+    (["--system", "megatron", "--workload", "huge"], "unknown workload 'huge'"),
+    (["--system", "megatron", "--workload", "tiny", "--nproc", "3", "--set", "tp=2"], "does not divide --nproc 3"),
+    (["--system", "megatron", "--workload", "tiny", "--nproc", "8", "--set", "tp=8"], "attention heads"),
+    (["--system", "megatron", "--workload", "tiny", "--nproc", "2", "--set", "tp"], "malformed --set 'tp'"),
+    (["--system", "megatron", "--workload", "tiny", "--set", "tq=2"], "unknown key 'tq'"),
+    (["--system", "megatron", "--workload", "tiny", "--set", "data.reorder=sideways"], "data.reorder"),
+    (["--system", "megatron", "--workload", "tiny", "--nproc", "8"], "not a multiple of micro batch"),
+]
+
+
+@pytest.mark.parametrize("args,message", CASES)
+def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
+    results = tmp_path / "r.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", *args, "--results", str(results)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert message in lines[0]
+    assert "[bench]" not in proc.stdout          # no launch announced
+    assert not results.exists()                  # nothing appended
