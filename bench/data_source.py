@@ -19,8 +19,12 @@ class DataPlan:
     """The sample assignment of every step, for any data-parallel size; pure and cheap."""
 
     def __init__(self, reader: DatasetReader, workload, global_batch_size: int, micro_batch_size: int,
-                 reorder: str, num_samples: int):
+                 reorder: str, num_samples: int, canonical_groups: int = 1):
         self.reader, self.workload = reader, workload
+        # Systems whose modules split the batch over different DP sizes (disttrain) plan on
+        # the finest split once and let each module take whole groups of it, so every
+        # module sees the same samples in the same rows (the bridge moves rows in order).
+        self.canonical_groups = canonical_groups
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.reorder, self.num_samples = reorder, num_samples
 
@@ -33,7 +37,15 @@ class DataPlan:
     @lru_cache(maxsize=64)
     def assignment(self, step: int, dp_size: int, micro_batch_size: int | None = None) -> tuple:
         ids = self.ids(step)
-        plan = assign(ids, self.costs(ids), dp_size, micro_batch_size or self.micro_batch_size, self.reorder)
+        mbs = micro_batch_size or self.micro_batch_size
+        fine = self.canonical_groups
+        if fine > dp_size and fine % dp_size == 0:
+            per = fine // dp_size
+            base = assign(ids, self.costs(ids), fine, mbs // per, self.reorder)
+            plan = [[sum((base[g][m] for g in range(r * per, (r + 1) * per)), []) for m in range(len(base[0]))]
+                    for r in range(dp_size)]
+        else:
+            plan = assign(ids, self.costs(ids), dp_size, mbs, self.reorder)
         return tuple(tuple(tuple(mb) for mb in mbs) for mbs in plan)
 
 

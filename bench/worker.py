@@ -57,12 +57,12 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB (process RSS)
 
 
-def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank: int):
+def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank: int, layout: Layout):
     from bench.data_source import ColocatedSource, DataPlan
     from workloads.loader import DatasetReader
     reader = DatasetReader(dataset, workload, cfg.seed)
     plan = DataPlan(reader, workload, cfg.global_batch_size, cfg.micro_batch_size, cfg.data.reorder,
-                    cfg.data.num_samples)
+                    cfg.data.num_samples, layout.details.get("canonical_groups", 1))
     if cfg.data.preprocess == "disaggregated":
         from bench.preprocess import DisaggregatedSource
         return DisaggregatedSource(plan, cfg, dataset, device, rank), plan
@@ -87,7 +87,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     dist.all_reduce(peak_t)
     peak_mean = peak_t.item() / world
 
-    source, plan = _make_source(cfg, workload, dataset, device, rank)
+    source, plan = _make_source(cfg, workload, dataset, device, rank, layout)
     ctx = TrainContext(cfg, workload, layout, rank, world, device, dtype, source, plan)
     adapter.setup(ctx)
     steps = []

@@ -116,6 +116,20 @@ def _patch_rng_tracker() -> None:
     mrandom.get_cuda_rng_tracker = lambda *a, **k: mrandom._CUDA_RNG_STATE_TRACKER
 
 
+def _patch_bridge_subgroups() -> None:
+    """megatron's BridgeCommunicator creates its broadcast subgroups with backend='nccl'
+    hard-coded; on the CPU they must use the default (gloo) backend."""
+    import torch.distributed as dist
+    original = dist.new_subgroups_by_enumeration
+
+    def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None, pg_options=None):
+        if backend == "nccl":
+            backend = None
+        return original(ranks_per_subgroup_list, timeout=timeout, backend=backend, pg_options=pg_options)
+
+    dist.new_subgroups_by_enumeration = new_subgroups_by_enumeration
+
+
 def install() -> CudaToCpuMode:
     """Patch torch.cuda and megatron for the CPU and enter the device-rewriting mode."""
     global _installed, _mode
@@ -123,6 +137,7 @@ def install() -> CudaToCpuMode:
         return _mode
     _patch_torch_cuda()
     _patch_rng_tracker()
+    _patch_bridge_subgroups()
     _mode = CudaToCpuMode()
     _mode.__enter__()
     _installed = True

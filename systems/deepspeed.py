@@ -84,29 +84,58 @@ class DeepSpeedSystem(SystemAdapter):
         # decay) with one weight decay for every parameter when no LR/WD scheduler runs.
         optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(0.9, 0.95), eps=1e-8,
                                       weight_decay=optim.weight_decay)
-        self.config = ds_config(zero_stage=details["zero_stage"], global_batch_size=ctx.cfg.global_batch_size,
+        self.stage = details["zero_stage"]
+        self.config = ds_config(zero_stage=self.stage, global_batch_size=ctx.cfg.global_batch_size,
                                 micro_batch_size=ctx.cfg.micro_batch_size, dp=self.dp_size, dtype=ctx.dtype,
                                 clip_grad=optim.clip_grad)
         self.gas = self.config["gradient_accumulation_steps"]
+        if self.stage == 3:
+            _make_dynamic_modules_zero3_safe(deepspeed, model)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                     dist_init_required=False)
+        if self.stage == 3:
+            # The leaf modules' own gradient hooks would zero-fill gradients before ZeRO-3 has
+            # gathered the parameters; the coalesced reduction below does their job.
+            for handle in self.engine.optimizer._leaf_module_hooks:
+                handle.remove()
+            self.engine.optimizer._leaf_module_hooks.clear()
+        if self.stage >= 1:
+            # One coalesced reduction per optimizer step (see train_step): the step is always
+            # an accumulation boundary.
+            self.engine.set_gradient_accumulation_boundary(True)
 
     def train_step(self, step: int) -> StepOutput:
+        import contextlib
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.dp_size)
         if len(microbatches) != self.gas:
             raise RuntimeError(f"step {step}: {len(microbatches)} microbatches on rank {self.dp_rank}, "
                                f"DeepSpeed accumulates {self.gas}")
         sums = torch.zeros(3, dtype=torch.float64)
-        self.engine.train()
-        for mb in microbatches:
-            lm, gen = self.engine(mb)
-            per_sample = lm + gen
-            sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
-            # DeepSpeed divides by the accumulation steps and averages gradients over DP.
-            self.engine.backward(per_sample.mean())
-            self.engine.step()   # an optimizer step only at the accumulation boundary
-        if self.engine.global_steps != step + 1:
-            raise RuntimeError(f"DeepSpeed made {self.engine.global_steps} optimizer steps by the end of step {step}")
+        engine = self.engine
+        engine.train()
+        # Which parameters get gradients, and in which order, depends on the data (a sample
+        # with no images skips the encoder), so ranks would fill ZeRO's gradient buckets
+        # differently. With ZeRO >= 1 the gradients are therefore accumulated locally and
+        # reduced once per step in parameter order (DeepSpeed's coalesced reduction), with
+        # zeros for parameters this rank did not use; ZeRO-0 zero-fills by itself.
+        coalesce = engine.coalesce_grad_reduction() if self.stage >= 1 else contextlib.nullcontext()
+        with coalesce:
+            for mb in microbatches:
+                lm, gen = engine(mb)
+                per_sample = lm + gen
+                sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
+                # DeepSpeed divides by the accumulation steps and averages gradients over DP.
+                engine.backward(per_sample.mean())
+                if self.stage == 0:
+                    engine.step()   # an optimizer step only at the accumulation boundary
+            if self.stage in (1, 2):
+                for p in engine.module.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+        if self.stage >= 1:
+            engine.step()
+        if engine.global_steps != step + 1:
+            raise RuntimeError(f"DeepSpeed made {engine.global_steps} optimizer steps by the end of step {step}")
         # Every rank is a replica that trained on its own samples: each reports those.
         out = StepOutput()
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
@@ -131,6 +160,26 @@ def _import_deepspeed(device: torch.device):
     if device.type == "cpu":
         # DeepSpeed's CPU backend compiles a shared-memory all-reduce op (g++, ~40 s) when it
         # first wraps the process group; only inference uses it, so training skips it.
-        import deepspeed.comm.torch as ds_torch_comm
-        ds_torch_comm.build_shm_op = lambda: None
+        import sys
+        import deepspeed.comm.torch  # noqa: F401  (the module; the attribute is torch itself)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     return deepspeed
+
+
+def _make_dynamic_modules_zero3_safe(deepspeed, model) -> None:
+    """ZeRO-3 gathers a module's parameters when the module runs and needs every rank to run
+    the same modules in the same order. The encoder and generator loop over the microbatch's
+    image groups (none for a sample without images), so they become ZeRO-3 leaf modules:
+    gathered whole once per call, whatever happens inside. Their output gets `0 * sum(params)`
+    added (numerically a no-op) so that it always requires a gradient: every rank then gathers
+    them again in backward, and every parameter gets a gradient on every rank."""
+    from workloads.model import ImageEncoder, ImageGenerator
+    leaves = deepspeed.utils.set_z3_leaf_modules(model, [ImageEncoder, ImageGenerator])
+
+    def anchor(module, args, output):
+        zero = torch.stack([p.float().sum() for p in module.parameters()]).sum() * 0.0
+        return output + zero.to(output.dtype)
+
+    for leaf in leaves:
+        # Registered before deepspeed.initialize, so it runs before ZeRO-3 releases the parameters.
+        leaf.register_forward_hook(anchor)

@@ -11,9 +11,11 @@ encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in tot
 Pruning in `best_plan` (exact in the estimate except step 2's proxy):
   1. backbone configurations are visited by ascending lower bound (their own time, no
      encoder/generator) and the search stops once the bound reaches the best plan found;
-  2. for encoder and generator, per GPU count g the TP degree minimizing m x time + transfers
-     + sync is kept, then a running minimum over g (more GPUs may always be left idle);
-  3. the split of the remaining GPUs between encoder and generator is one vectorized scan.
+  2. for encoder and generator, per GPU count g the TP degree minimizing w x time + transfers
+     + sync is kept, then a running minimum over g (more GPUs may always be left idle), for
+     w = m (the group is the pipeline's bottleneck) and w = 1 (it is not);
+  3. the split of the remaining GPUs between encoder and generator is one vectorized scan
+     per pair of tables.
 `brute_force_plan` enumerates every combination without pruning (for tests).
 """
 from __future__ import annotations
@@ -101,17 +103,24 @@ def estimate_disttrain(w, st, cluster, plan) -> float:
     return estimate_1f1b(stages, [float(le)] + links + [float(lg)], m) + max(sync_b, float(se), float(sg))
 
 
-def _table(w, st, cluster, key, samples, m, inflight, rc, n):
-    """Per GPU count g = 0..n: best (score, time, link, sync, tp, dp) using at most g GPUs."""
-    best = np.full((n + 1, 6), np.inf)
+def _sides(w, st, cluster, key, samples, inflight, rc, n):
+    """All (tp, dp) groups of at most n GPUs: rows (g, time, link, sync, tp, dp), infeasible dropped."""
+    rows = []
     for tp in C.tp_choices(cluster.gpus_per_node, C.module_shapes(w)[key].heads):
         dp = np.arange(1, n // tp + 1)
         t, link, sync, ok = _side(w, st, cluster, key, tp, dp, samples, inflight, rc)
-        score = np.where(ok, m * t + 2 * link + sync, np.inf)
-        g = tp * dp
-        better = score < best[g, 0]
-        rows = np.stack([score, t, link * np.ones_like(t), sync * np.ones_like(t), tp * np.ones_like(t), dp], 1)
-        best[g[better]] = rows[better]
+        one = np.ones_like(dp, dtype=np.float64)
+        rows.append(np.stack([tp * dp, t * one, link * one, sync * one, tp * one, dp], 1)[ok])
+    return np.concatenate(rows)
+
+
+def _table(rows, weight, sync_floor, n):
+    """Per GPU count g = 0..n: the best row using at most g GPUs by
+    weight x time + 2 x link + max(sync, sync_floor); rows (score, time, link, sync, tp, dp)."""
+    best = np.full((n + 1, 6), np.inf)
+    score = weight * rows[:, 1] + 2 * rows[:, 2] + np.maximum(rows[:, 3], sync_floor)
+    for i in np.argsort(-score, kind="stable"):          # best score written last wins
+        best[int(rows[i, 0])] = (score[i], *rows[i, 1:])
     run = np.minimum.accumulate(best[:, 0])
     new = best[:, 0] < np.concatenate([[np.inf], run[:-1]])
     pick = np.maximum.accumulate(np.where(new, np.arange(n + 1), 0))
@@ -152,21 +161,22 @@ def best_plan(workload: Workload | str, num_gpus: int, cluster: Cluster | str = 
             break
         key = (rc, pp, dp)
         if key not in tables:
-            S, n = pp + 2, num_gpus - 2
-            tables[key] = [_table(w, st, cluster, k, dp * st.mbs, m, inflight, rc, n)
+            S = pp + 2
+            tables[key] = [_sides(w, st, cluster, k, dp * st.mbs, inflight, rc, num_gpus - 2)
                            for k, inflight in (("encoder", min(S, m)), ("generator", 1))]
-        enc, gen = tables[key]
+        options = [[_table(rows, weight, sync, num_gpus - 2) for weight in {m, 1}] for rows in tables[key]]
         R = num_gpus - tp * pp * dp
         ge = np.arange(1, R)
-        E, G = enc[ge], gen[R - ge]
-        stage_max = np.maximum(np.maximum(E[:, 1], G[:, 1]), t_b.max())
-        with np.errstate(invalid="ignore"):
-            total = (t_b.sum() + E[:, 1] + G[:, 1] + (m - 1) * stage_max + 2 * (sum(links) + E[:, 2] + G[:, 2])
-                     + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
-        total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
-        k = int(np.argmin(total))
-        if np.isfinite(total[k]) and (best is None or total[k] < best["estimate_s"]):
-            best = _plan(tp, pp, dp, E[k], G[k], rc, total[k])
+        for enc, gen in product(*options):
+            E, G = enc[ge], gen[R - ge]
+            stage_max = np.maximum(np.maximum(E[:, 1], G[:, 1]), t_b.max())
+            with np.errstate(invalid="ignore"):
+                total = (t_b.sum() + E[:, 1] + G[:, 1] + (m - 1) * stage_max + 2 * (sum(links) + E[:, 2] + G[:, 2])
+                         + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
+            total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
+            k = int(np.argmin(total))
+            if np.isfinite(total[k]) and (best is None or total[k] < best["estimate_s"]):
+                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k])
     return best
 
 

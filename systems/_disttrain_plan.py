@@ -1,0 +1,121 @@
+"""DistTrain plans: each module's own degrees and ranks, parsed and validated without processes.
+
+Syntax: `enc:TPxDP,llm:TPxPPxDP,gen:TPxDP`. Non-colocated (DistTrain's disaggregated
+orchestration): modules get disjoint, consecutive rank ranges in that order and the sizes
+add up to the process count. Colocated (heterogeneous parallelism on shared GPUs): every
+module spans all ranks with its own TP/DP, so each module's size equals the process count.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from systems.base import ConfigError
+
+MODULES = ("encoder", "backbone", "generator")
+_KEYS = {"enc": "encoder", "llm": "backbone", "gen": "generator"}
+_ENTRY = re.compile(r"^(enc|llm|gen):(\d+)x(\d+)(?:x(\d+))?$")
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    name: str
+    tp: int
+    pp: int
+    dp: int
+    rank_offset: int
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+    def label(self) -> str:
+        return f"{self.tp}x{self.pp}x{self.dp}" if self.name == "backbone" else f"{self.tp}x{self.dp}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    modules: dict[str, ModulePlan]
+    colocated: bool
+
+    def label(self) -> str:
+        short = {v: k for k, v in _KEYS.items()}
+        body = ",".join(f"{short[m]}:{self.modules[m].label()}" for m in MODULES)
+        return ("colocated " if self.colocated else "") + body
+
+    @property
+    def canonical_groups(self) -> int:
+        """The finest data-parallel split every module's split is a coarsening of."""
+        return math.lcm(*(p.dp for p in self.modules.values()))
+
+    def module_of(self, rank: int) -> str:
+        for name, mp in self.modules.items():
+            if rank in mp.ranks:
+                return name
+        raise ValueError(f"rank {rank} belongs to no module")
+
+
+def parse_plan(text: str, nproc: int, colocated: bool) -> Plan:
+    entries = {}
+    for part in str(text).replace(" ", "").split(","):
+        m = _ENTRY.match(part)
+        if not m:
+            raise ConfigError(f"plan entry {part!r} is malformed; write enc:TPxDP,llm:TPxPPxDP,gen:TPxDP "
+                              f"(e.g. plan=enc:1x1,llm:1x1x2,gen:1x1)")
+        key, a, b, c = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+        if key in ("enc", "gen") and c is not None:
+            raise ConfigError(f"plan entry {part!r}: the {_KEYS[key]} takes TPxDP (no pipeline stages)")
+        if key == "llm" and c is None:
+            raise ConfigError(f"plan entry {part!r}: the backbone takes TPxPPxDP")
+        tp, pp, dp = (a, b, int(c)) if key == "llm" else (a, 1, b)
+        if min(tp, pp, dp) < 1:
+            raise ConfigError(f"plan entry {part!r}: degrees must be >= 1")
+        if _KEYS[key] in entries:
+            raise ConfigError(f"plan names {key} twice")
+        entries[_KEYS[key]] = (tp, pp, dp)
+    missing = [k for k, v in _KEYS.items() if v not in entries]
+    if missing:
+        raise ConfigError(f"plan lacks {missing}; give all of enc, llm and gen")
+    modules, offset = {}, 0
+    for name in MODULES:
+        tp, pp, dp = entries[name]
+        modules[name] = ModulePlan(name, tp, pp, dp, 0 if colocated else offset)
+        offset += tp * pp * dp
+    plan = Plan(modules, colocated)
+    sizes = {n: p.size for n, p in modules.items()}
+    if colocated and any(s != nproc for s in sizes.values()):
+        raise ConfigError(f"colocated plan needs every module to span all {nproc} processes, got sizes {sizes}")
+    if not colocated and offset != nproc:
+        raise ConfigError(f"plan uses {offset} processes ({sizes}) but --nproc is {nproc}; make them equal")
+    return plan
+
+
+def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size: int) -> None:
+    for name, mp in plan.modules.items():
+        shape = getattr(workload, name)
+        if shape.num_attention_heads % mp.tp:
+            raise ConfigError(f"{name} tp={mp.tp} does not divide its {shape.num_attention_heads} attention heads")
+    b, llm = workload.backbone, plan.modules["backbone"]
+    if b.num_query_groups % llm.tp or b.vocab_size % llm.tp or b.ffn_hidden_size % llm.tp:
+        raise ConfigError(f"backbone tp={llm.tp} does not divide its query groups, vocabulary or FFN width")
+    if b.num_layers % llm.pp:
+        raise ConfigError(f"backbone pp={llm.pp} does not divide its {b.num_layers} layers")
+    if global_batch_size % (micro_batch_size * llm.dp):
+        raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} "
+                          f"x backbone dp {llm.dp}")
+    rows = micro_batch_size * llm.dp      # samples per microbatch across the backbone's DP ranks
+    if rows % plan.canonical_groups:
+        raise ConfigError(f"a microbatch holds {rows} samples across the backbone's DP ranks, which the module DP "
+                          f"sizes ({[p.dp for p in plan.modules.values()]}) cannot split evenly; "
+                          f"raise micro_batch_size or change the DP sizes")
+    if not plan.colocated:
+        for src, dst in (("encoder", "backbone"), ("backbone", "generator")):
+            a, c = plan.modules[src].dp, plan.modules[dst].dp
+            if a % c and c % a:
+                raise ConfigError(f"{src} dp={a} and {dst} dp={c}: one must divide the other "
+                                  f"(the boundary fans activations in or out by whole ranks)")

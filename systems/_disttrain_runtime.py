@@ -1,0 +1,172 @@
+"""The disaggregated module pipeline: one module per rank, 1F1B across modules.
+
+Stages, in order: encoder, the backbone's PP stages, generator. Each rank runs the classic
+1F1B pattern for its stage (warm-up forwards, steady one-forward-one-backward, cool-down
+backwards); megatron-core's MultiModulePipelineCommunicator carries activations forward
+(fan-in/fan-out over DP, broadcast over TP) and gradients back.
+
+Gradient scale at the boundaries: every module's DDP averages over its own DP size D, so a
+rank back-propagates (D / global_batch) x the sum of its samples' losses. A gradient that
+crosses from a module with D_dst ranks to one with D_src ranks is multiplied by D_src/D_dst.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from systems import _mcore
+from systems._disttrain_modules import build_module
+from systems._disttrain_plan import MODULES
+from systems._grids import build_grid
+from systems.base import StepOutput
+
+TOPOLOGY = {"encoder": ["backbone"], "backbone": ["generator"], "generator": []}
+
+
+def build_runtime(ctx, plan):
+    if plan.colocated:
+        from systems._disttrain_colocated import ColocatedRuntime
+        return ColocatedRuntime(ctx, plan)
+    return PipelineRuntime(ctx, plan)
+
+
+class PipelineRuntime:
+    def __init__(self, ctx, plan):
+        from megatron.core import tensor_parallel
+        from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+        self.ctx, self.plan = ctx, plan
+        grids, pg = {}, None
+        for name in MODULES:
+            mp = plan.modules[name]
+            grids[name], module_pg, member = build_grid(mp.tp, mp.pp, mp.dp, mp.rank_offset)
+            if member:
+                self.name, pg = name, module_pg
+        self.mp = plan.modules[self.name]
+        self.tp_rank, self.pp_rank, self.dp_rank = pg.tp.rank(), pg.pp.rank(), pg.dp.rank()
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
+        self.module, self.config = build_module(self.name, ctx.workload, self.mp, pg, ctx.dtype, ctx.cfg.seed,
+                                                ctx.device)
+        self.model = _mcore.wrap_ddp(self.module, self.config, pg)
+        self.optimizer = _mcore.build_optimizer([self.model], ctx.cfg.optim, ctx.dtype, pg)
+        self.comm = MultiModulePipelineCommunicator(grids, TOPOLOGY, self.config,
+                                                    dim_mapping={"b": 0, "s": 1, "h": 2})
+        llm = plan.modules["backbone"]
+        self.stage = {"encoder": 0, "backbone": 1 + self.pp_rank, "generator": 1 + llm.pp}[self.name]
+        self.num_stages = 2 + llm.pp
+        self.first_llm = self.name == "backbone" and self.pp_rank == 0
+        self.last_llm = self.name == "backbone" and self.pp_rank == self.mp.pp - 1
+        gbs, mbs = ctx.cfg.global_batch_size, ctx.cfg.micro_batch_size
+        self.num_microbatches = gbs // (mbs * llm.dp)
+        self.rows = mbs * llm.dp // self.mp.dp            # samples per microbatch on this rank
+        self.objective_scale = self.mp.dp / gbs
+        dp = {n: p.dp for n, p in plan.modules.items()}
+        # Gradient arriving from downstream, rescaled into this module's DP averaging.
+        self.grad_scale = {"encoder": dp["encoder"] / dp["backbone"],
+                           "backbone": dp["backbone"] / dp["generator"] if self.last_llm else 1.0,
+                           "generator": 1.0}[self.name]
+        # One replica reports each loss: TP rank 0 of the backbone's last stage and of the generator.
+        self.reports = self.tp_rank == 0 and (self.last_llm or self.name == "generator")
+        self.hidden_shape = (ctx.workload.backbone.seq_length, self.rows, ctx.workload.backbone.hidden_size)
+
+    # -- one microbatch through this rank's stage ------------------------------------------
+    def _forward(self, mb, inputs: dict):
+        """Returns (what to send downstream, saved state for backward)."""
+        if self.name == "encoder":
+            out = self.module(mb)
+            return {"encoder": out}, (out, None, None)
+        if self.name == "generator":
+            cond = inputs["backbone"].detach().requires_grad_()
+            gen = self.module(mb, cond)
+            self.sums += torch.stack([gen.sum(), torch.zeros(()), gen.sum()]).detach().double().cpu()
+            return {}, (gen.sum() * self.objective_scale, None, cond)
+        if self.first_llm:
+            received = inputs["encoder"].detach().requires_grad_()
+            out = self.module(mb, received)
+        else:
+            received = inputs["backbone"].detach().requires_grad_()
+            self.module.set_input_tensor(received)
+            out = self.module(mb)
+        if not self.last_llm:
+            return {"backbone": out}, (out, None, received)
+        lm, cond = out
+        self.sums += torch.stack([lm.sum(), lm.sum(), torch.zeros(())]).detach().double().cpu()
+        return {"backbone": cond}, (cond, lm.sum() * self.objective_scale, received)
+
+    def _backward(self, saved, grads: dict) -> dict:
+        out, objective, received = saved
+        tensors, grad_tensors = [], []
+        if self.name == "generator":
+            tensors, grad_tensors = [out], [None]
+        else:
+            grad = next(iter(grads.values())) * self.grad_scale
+            tensors, grad_tensors = [out], [grad.to(out.dtype)]
+            if objective is not None:
+                tensors.append(objective)
+                grad_tensors.append(None)
+        # A microbatch without images leaves the encoder/generator output constant.
+        live = [(t, g) for t, g in zip(tensors, grad_tensors) if t.requires_grad]
+        if live:
+            torch.autograd.backward([t for t, _ in live], [g for _, g in live])
+        if received is None:
+            return {}
+        key = "encoder" if self.first_llm else "backbone"
+        return {key: received.grad if received.grad is not None else torch.zeros_like(received)}
+
+    # -- the 1F1B schedule ----------------------------------------------------------------
+    def train_step(self, step: int) -> StepOutput:
+        start = time.perf_counter()
+        events, busy = [], 0.0
+        microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.mp.dp, self.rows)
+        self.sums = torch.zeros(3, dtype=torch.float64)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def timed(kind, fn, *args):
+            nonlocal busy
+            t0 = time.perf_counter()
+            result = fn(*args)
+            t1 = time.perf_counter()
+            busy += t1 - t0
+            events.append({"module": self.name, "kind": kind, "start_s": t0 - start, "end_s": t1 - start})
+            return result
+
+        m_total = self.num_microbatches
+        warmup = min(self.num_stages - self.stage - 1, m_total)
+        saved, next_fwd = deque(), 0
+        shape = self.hidden_shape
+        for _ in range(warmup):
+            inputs = self.comm.recv_forward(tensor_shape=shape)
+            outputs, state = timed("fwd", self._forward, microbatches[next_fwd], inputs)
+            self.comm.send_forward(outputs)
+            saved.append(state)
+            next_fwd += 1
+        remaining = m_total - warmup
+        inputs = self.comm.recv_forward(tensor_shape=shape) if remaining else None
+        for i in range(remaining):
+            outputs, state = timed("fwd", self._forward, microbatches[next_fwd], inputs)
+            next_fwd += 1
+            saved.append(state)
+            grads = self.comm.send_forward_recv_backward(outputs, tensor_shape=shape)
+            in_grads = timed("bwd", self._backward, saved.popleft(), grads)
+            if i == remaining - 1:
+                self.comm.send_backward(in_grads)
+            else:
+                inputs = self.comm.send_backward_recv_forward(in_grads, tensor_shape=shape)
+        for _ in range(warmup):
+            grads = self.comm.recv_backward(tensor_shape=shape)
+            in_grads = timed("bwd", self._backward, saved.popleft(), grads)
+            self.comm.send_backward(in_grads)
+
+        t0 = time.perf_counter()
+        self.model.finish_grad_sync()
+        ok, _, _ = self.optimizer.step()
+        busy += time.perf_counter() - t0
+        if not ok:
+            raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
+        out = StepOutput(module_busy_s={self.name: busy}, timeline=events)
+        if self.reports:
+            out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
+        return out

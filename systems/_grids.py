@@ -1,0 +1,29 @@
+"""Per-module process groups on megatron-core's HyperCommGrid.
+
+Group creation is collective over the whole world, so every rank builds every module's grid
+and creates its groups in the same order, members or not (../shared/notes/bridge.md).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def build_grid(tp: int, pp: int, dp: int, rank_offset: int):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    grid = HyperCommGrid([tp, 1, pp, dp], ["tp", "cp", "pp", "dp"], rank_offset=rank_offset)
+    groups = {name: grid.create_pg(dims) for name, dims in (
+        ("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("dp_cp", ["cp", "dp"]),
+        ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]))}
+    member = rank_offset <= dist.get_rank() < rank_offset + tp * pp * dp
+    pg = ProcessGroupCollection()
+    if member:
+        for name, group in groups.items():
+            setattr(pg, name, group)
+        # No experts: the expert groups coincide with the dense ones (cp is a singleton).
+        pg.expt_dp, pg.intra_dp_cp, pg.expt_tp, pg.ep, pg.tp_ep_pp = pg.dp, pg.dp_cp, pg.tp, pg.cp, pg.mp
+        pg.tp_ep, pg.tp_dp_cp = pg.tp, pg.dp_cp
+        pg.embd = pg.pos_embd = pg.inter_dist_opt = None
+        pg.intra_dist_opt = pg.dp_cp   # one distributed-optimizer instance per module
+    return grid, pg, member

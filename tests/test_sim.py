@@ -1,0 +1,210 @@
+"""Simulator: hand-solvable schedules, cost and memory model sanity, orchestrator vs brute force,
+infeasible layouts, and the simulated record."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from bench.records import validate_record
+from bench.sim import costs as C
+from bench.sim.cluster import CLUSTERS, Cluster, get_cluster
+from bench.sim.orchestrator import (best_megatron_layout, best_plan, brute_force_plan, estimate_megatron,
+                                    work_stats)
+from bench.sim.schedule import estimate_1f1b, one_f_one_b, stage_ops
+from bench.sim.simulate import check_layout, simulate, simulate_record
+from workloads.presets import get_workload
+
+H100 = CLUSTERS["h100"]
+
+
+# ---------------------------------------------------------------- schedule
+
+@pytest.mark.parametrize("m,p", [(1, 1), (1, 4), (3, 2), (4, 4), (8, 3), (2, 5)])
+def test_equal_stages_textbook_formula(m, p):
+    f, b = 1.5, 2.5
+    r = one_f_one_b(np.full((m, p), f), np.full((m, p), b))
+    assert r.iteration_time == pytest.approx((m + p - 1) * (f + b))
+    assert r.busy == pytest.approx([m * (f + b)] * p)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert estimate_1f1b([f + b] * p, m=m) == pytest.approx(r.iteration_time)
+
+
+def test_one_stage_is_sum():
+    rng = np.random.default_rng(0)
+    f, b = rng.random((5, 1)), rng.random((5, 1))
+    r = one_f_one_b(f, b)
+    assert r.iteration_time == pytest.approx(f.sum() + b.sum()) and r.bubble_fraction == pytest.approx(0.0)
+
+
+def test_two_stages_by_hand():
+    # stage 0: F=1 B=2, stage 1: F=3 B=1, two microbatches.
+    # S0: F0 0-1, F1 1-2, B0 5-7, B1 9-11;  S1: F0 1-4, B0 4-5, F1 5-8, B1 8-9  -> 11
+    fwd, bwd = np.array([[1.0, 3.0]] * 2), np.array([[2.0, 1.0]] * 2)
+    r = one_f_one_b(fwd, bwd)
+    assert r.iteration_time == pytest.approx(11.0)
+    assert r.busy == pytest.approx([6.0, 8.0])
+    assert r.bubble_fraction == pytest.approx(1 - 14 / 22)
+    # with a 0.5 s link each way: S1F0 1.5-4.5, B0 4.5-5.5, S0B0 6-8, S1F1 5.5-8.5, B1 8.5-9.5, S0B1 10-12
+    assert one_f_one_b(fwd, bwd, links=[0.5]).iteration_time == pytest.approx(12.0)
+
+
+def test_heterogeneous_microbatches_by_hand():
+    # one stage pair, microbatch 0 heavy on stage 0, microbatch 1 light:
+    # S0: F0 0-4, F1 4-5, B0 ?, ...; S1: F0 4-5, B0 5-6, F1 6-7, B1 7-8; S0: B0 6-10, B1 10-12 -> 12
+    fwd = np.array([[4.0, 1.0], [1.0, 1.0]])
+    bwd = np.array([[4.0, 1.0], [2.0, 1.0]])
+    assert one_f_one_b(fwd, bwd).iteration_time == pytest.approx(12.0)
+
+
+def test_stage_ops_is_1f1b():
+    assert stage_ops(0, 3, 4) == [(0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert stage_ops(2, 3, 2) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+# ---------------------------------------------------------------- costs and memory
+
+def test_state_bytes_by_zero_stage():
+    p = 1e9
+    assert C.state_bytes(p, 1, 0) == pytest.approx(16e9)
+    assert C.state_bytes(p, 8, 1) == pytest.approx(4e9 + 12e9 / 8)
+    assert C.state_bytes(p, 8, 2) == pytest.approx(2e9 + 14e9 / 8)
+    assert C.state_bytes(p, 8, 3) == pytest.approx(2e9)
+
+
+def test_ring_and_activation_formulas():
+    assert C.ring_allreduce(1e9, 1, 1e9, 1e-6) == 0.0
+    assert C.ring_allreduce(1e9, 4, 1e9, 0.0) == pytest.approx(1.5)
+    assert C.ring_shard(1e9, 4, 1e9, 0.0) == pytest.approx(0.75)
+    assert C.activation_bytes(1000, 100, 10, 2) == pytest.approx(34 * 1000 * 100 * 10 / 2)
+    assert C.activation_bytes(1000, 100, 10, 2, recompute=True) < C.activation_bytes(1000, 100, 10, 2)
+
+
+def test_compute_time_scales_with_tp_and_efficiency():
+    f1, b1 = C.compute_fb(3e15, "backbone", 1, H100)
+    f2, _ = C.compute_fb(3e15, "backbone", 2, H100)
+    assert f1 + b1 == pytest.approx(3e15 / (989e12 * 0.6)) and f2 == pytest.approx(f1 / 2)
+    slow = H100.with_efficiency({"backbone": 0.3}, "test profile")
+    assert C.compute_fb(3e15, "backbone", 1, slow)[0] == pytest.approx(2 * f1)
+    assert slow.assumptions()["efficiency_source"] == "test profile"
+
+
+def test_memory_shrinks_with_model_parallelism():
+    mem = [simulate("mllm-9b", "megatron", {"tp": tp, "pp": pp, "dp": 1}, 8, num_batches=1,
+                    global_batch_size=8)["per_gpu_memory_gib"] for tp, pp in ((1, 1), (2, 1), (2, 2), (4, 2))]
+    assert mem == sorted(mem, reverse=True)
+    params_gib = 16 * C.module_shapes(get_workload("mllm-9b"))["backbone"].params / 2 ** 30
+    assert mem[0] > params_gib                 # whole backbone states + activations on one GPU
+
+
+def test_cluster_assumptions_and_validation():
+    a = get_cluster("h200").assumptions()
+    assert a["memory_gb"] == 141.0 and a["peak_flops"] == 989e12 and "datasheet" in a["memory_source"]
+    with pytest.raises(ValueError):
+        Cluster(gpu="B9000")
+    with pytest.raises(KeyError):
+        get_cluster("nope")
+
+
+# ---------------------------------------------------------------- infeasible
+
+def test_infeasible_layouts():
+    assert not simulate("mllm-72b", "megatron", {"tp": 1, "pp": 1, "dp": 8}, 8, num_batches=1,
+                        global_batch_size=8)["feasible"]
+    assert not simulate("mllm-72b", "deepspeed", {"zero_stage": 1}, 8, num_batches=1, global_batch_size=8)["feasible"]
+    assert best_plan("mllm-72b", 4, global_batch_size=8) is None
+    assert best_megatron_layout("mllm-72b", 2, global_batch_size=8) is None
+    w = get_workload("mllm-9b")
+    with pytest.raises(ValueError, match="needs 16 GPUs"):
+        check_layout(w, "megatron", {"tp": 2, "pp": 4, "dp": 2}, 8, 64, 1)
+    with pytest.raises(ValueError):
+        check_layout(w, "megatron", {"tp": 3, "pp": 1, "dp": 1}, 8, 64, 1)
+    with pytest.raises(ValueError):
+        check_layout(w, "disttrain", {"encoder": {"tp": 1, "dp": 1}, "backbone": {"tp": 1, "pp": 3, "dp": 1},
+                                      "generator": {"tp": 1, "dp": 1}}, 8, 64, 1)
+
+
+def test_infeasible_record_is_skipped_with_reason():
+    r = simulate_record("mllm-72b", "megatron", 8, layout={"tp": 1, "pp": 1, "dp": 8}, num_batches=1,
+                        global_batch_size=8)
+    assert r["status"] == "skipped" and "GiB" in r["reason"]
+    validate_record(r)
+
+
+# ---------------------------------------------------------------- simulation
+
+def test_simulated_record_is_valid_and_consistent():
+    r = simulate_record("mllm-9b", "disttrain", 16, layout="auto", num_batches=1, global_batch_size=32)
+    validate_record(r)
+    json.dumps(r, allow_nan=False)
+    m = r["metrics"]
+    assert r["status"] == "ok" and r["mode"] == "simulated" and r["env"] == {"simulator": "bench.sim"}
+    assert sum(m["mfu_per_module"].values()) == pytest.approx(m["mfu"])
+    assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 8192)
+    assert 0 < m["mfu"] < 1 and 0 <= m["bubble_fraction"] < 1
+    assert r["layout"]["label"].startswith("enc-") and r["assumptions"]["gpu"] == "H100-SXM"
+
+
+def test_estimate_is_exact_for_identical_microbatches():
+    w = get_workload("mllm-9b", "uniform")
+    st = work_stats(w, 64, 1)
+    for tp, pp, dp in ((2, 4, 2), (1, 8, 4), (8, 4, 1)):
+        exact = simulate(w, "megatron", {"tp": tp, "pp": pp, "dp": dp}, 64, num_batches=1, global_batch_size=64,
+                         reorder=False)["iteration_time_s"]
+        assert estimate_megatron(w, st, H100, tp, pp, dp, False) == pytest.approx(exact, rel=1e-9)
+
+
+def _encoder_heavy():
+    """mllm-9b with an 8-layer, 4096-token backbone: images carry ~15% of the FLOPs."""
+    w = get_workload("mllm-9b")
+    return dataclasses.replace(w, name="enc-heavy",
+                               backbone=dataclasses.replace(w.backbone, num_layers=8, seq_length=4096))
+
+
+def test_reordering_helps_on_heterogeneous_data_on_average():
+    w = _encoder_heavy()
+    ratios = []
+    for lay in ({"tp": 2, "pp": 2, "dp": 4}, {"tp": 1, "pp": 4, "dp": 4}):
+        for seed in (1, 2, 3):
+            kw = dict(num_batches=2, global_batch_size=64, seed=seed)
+            ratios.append(simulate(w, "megatron", lay, 16, reorder=False, **kw)["iteration_time_s"]
+                          / simulate(w, "megatron", lay, 16, reorder=True, **kw)["iteration_time_s"])
+    assert np.mean(ratios) > 1.0
+
+
+def test_deepspeed_runs_samples_sequentially():
+    r = simulate("mllm-9b", "deepspeed", {"zero_stage": 3, "recompute": True}, 8, num_batches=1, global_batch_size=16)
+    assert r["feasible"] and r["gpus_used"] == 8 and r["layout"]["dp"] == 8
+
+
+# ---------------------------------------------------------------- orchestrator vs brute force
+
+@pytest.mark.parametrize("workload,gpus,batch", [("mllm-9b", 16, 64), ("mllm-15b", 24, 32), ("small", 16, 16)])
+def test_orchestrator_within_2pct_of_brute_force_estimate(workload, gpus, batch):
+    plan = best_plan(workload, gpus, global_batch_size=batch)
+    _, brute = brute_force_plan(workload, gpus, global_batch_size=batch)
+    assert plan is not None and np.isfinite(brute)
+    assert plan["estimate_s"] <= 1.02 * brute
+
+
+def test_orchestrator_within_2pct_of_brute_force_simulation():
+    kw = dict(global_batch_size=16, recompute=(False,))
+    plan = best_plan("mllm-9b", 8, **kw)
+    _, brute = brute_force_plan("mllm-9b", 8, objective="simulate", num_batches=1, **kw)
+    plan = {k: v for k, v in plan.items() if k != "estimate_s"}
+    got = simulate("mllm-9b", "disttrain", plan, 8, num_batches=1, global_batch_size=16)
+    assert got["feasible"] and got["iteration_time_s"] <= 1.02 * brute
+
+
+def test_best_megatron_layout_is_best_of_all_layouts():
+    w = get_workload("mllm-9b")
+    st = work_stats(w, 64, 1)
+    best = best_megatron_layout(w, 16, global_batch_size=64)
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            for dp in (1, 2, 4, 8, 16):
+                if tp * pp * dp <= 16:
+                    for rc in (False, True):
+                        assert best["estimate_s"] <= estimate_megatron(w, st, H100, tp, pp, dp, rc) + 1e-12
