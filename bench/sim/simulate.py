@@ -62,7 +62,7 @@ def _order(fwd, bwd, links, reorder: bool):
     return (fwd[o], bwd[o], alt) if alt.iteration_time < base.iteration_time else (fwd, bwd, base)
 
 
-def _split(bc, sample_costs, groups, mbs, reorder):
+def _split(sample_costs, groups, mbs, reorder):
     return [split_microbatches(g, sample_costs, mbs) if reorder else [g[i:i + mbs] for i in range(0, len(g), mbs)]
             for g in groups]
 
@@ -80,7 +80,7 @@ def _megatron(w, bc, L, cluster, mbs, reorder):
     links = [float(C.p2p_time(mbs * seq, sh["backbone"].hidden, tp, cluster, tp * dp >= gpn))] * (pp - 1)
     pipe, busy, first = 0.0, 0.0, None
     max_etok = max_gtok = 0.0
-    for mbl in _split(bc, sc, groups, mbs, reorder):
+    for mbl in _split(sc, groups, mbs, reorder):
         e_f, e_b = C.module_fb([enc[m].sum() for m in mbl], [etok[m].sum() for m in mbl], "encoder",
                                sh["encoder"], sh["encoder"].layers, tp, cluster, rc)
         g_f, g_b = C.module_fb([gen[m].sum() for m in mbl], [gtok[m].sum() for m in mbl], "generator",
@@ -180,7 +180,7 @@ def _disttrain(w, bc, L, cluster, mbs, reorder):
     hb = sh["backbone"].hidden
     links = ([float(C.p2p_time(max(tok_mean["encoder"], 0.0), hb, tp, cluster, True))]
              + [float(C.p2p_time(mbs * seq, hb, tp, cluster, tp * dp >= gpn))] * (pp - 1)
-             + [float(C.p2p_time(size * w.generator.num_cond_tokens / max(G["dp"], 1), hb, 1, cluster, True))])
+             + [float(C.p2p_time(size * w.generator.num_cond_tokens / G["dp"], hb, 1, cluster, True))])
     fwd, bwd, res = _order(fwd, bwd, links, reorder)
     mem, sync = [], []
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
@@ -223,6 +223,8 @@ def check_layout(w: Workload, system: str, L: dict, num_gpus: int, batch: int, m
         L.setdefault("zero_stage", 3)
         L.setdefault("recompute", True)
         L.setdefault("dp", num_gpus)
+        if L["zero_stage"] not in (0, 1, 2, 3) or L["dp"] < 1:
+            raise ValueError(f"zero_stage must be 0-3 and dp >= 1, got {L['zero_stage']} and {L['dp']}")
         used = L["dp"]
     elif system == "disttrain":
         L.setdefault("recompute", False)
@@ -305,7 +307,8 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     if layout is None:
         return build_record(**common, status="skipped", reason=f"no {system} layout fits {num_gpus} GPUs in memory",
                             layout={"label": "none"}, assumptions=assumptions)
-    estimate = layout.pop("estimate_s", None) if isinstance(layout, dict) else None
+    layout = dict(layout)
+    estimate = layout.pop("estimate_s", None)
     try:
         r = simulate(w, system, layout, num_gpus, cl, seed, num_batches, reorder, B, mbs)
     except ValueError as e:

@@ -1,0 +1,133 @@
+"""Colocated heterogeneous parallelism: every module on every rank, each with its own TP/DP.
+
+Modules run one after another on the shared ranks; at each boundary the activation is
+regrouped in place from the source's DP split into the destination's (an all-gather, then
+each rank keeps its rows), and the gradient takes the reverse path, rescaled from the
+destination's DP averaging into the source's (see _disttrain_runtime for the rule).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from systems import _mcore
+from systems._disttrain_modules import build_module
+from systems._disttrain_plan import MODULES
+from systems._grids import build_grid
+from systems.base import StepOutput
+
+
+def _rows_of(full_parts: list[torch.Tensor], dp: int, tp_x_pp: int) -> torch.Tensor:
+    """The whole microbatch, from the gathered parts of each DP rank's first TP rank."""
+    return torch.cat([full_parts[d * tp_x_pp] for d in range(dp)], dim=0)
+
+
+class _Regroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, dst_rank, src_rank):
+        ctx.src, ctx.dst, ctx.src_rank = src, dst, src_rank
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        full = _rows_of(parts, src.dp, src.tp * src.pp)
+        rows = full.shape[0] // dst.dp
+        return full[dst_rank * rows:(dst_rank + 1) * rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, dst = ctx.src, ctx.dst
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, grad.contiguous())
+        full = _rows_of(parts, dst.dp, dst.tp * dst.pp)
+        rows = full.shape[0] // src.dp
+        return full[ctx.src_rank * rows:(ctx.src_rank + 1) * rows] * (src.dp / dst.dp), None, None, None, None
+
+
+class ColocatedRuntime:
+    def __init__(self, ctx, plan):
+        from megatron.core import tensor_parallel
+        self.ctx, self.plan = ctx, plan
+        self.pg = {}
+        for name in MODULES:
+            mp = plan.modules[name]
+            _, self.pg[name], _ = build_grid(mp.tp, mp.pp, mp.dp, 0)
+        # Dropout is off, so one TP RNG stream (the encoder's rank) serves every module.
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed, tp_rank=self.pg["encoder"].tp.rank(),
+                                                        ep_rank=0, etp_rank=0)
+        self.modules, self.models, self.optimizers = {}, {}, {}
+        for name in MODULES:
+            module, config = build_module(name, ctx.workload, plan.modules[name], self.pg[name], ctx.dtype,
+                                          ctx.cfg.seed, ctx.device)
+            self.modules[name] = module
+            self.models[name] = _mcore.wrap_ddp(module, config, self.pg[name])
+            self.optimizers[name] = _mcore.build_optimizer([self.models[name]], ctx.cfg.optim, ctx.dtype,
+                                                           self.pg[name])
+        gbs, mbs = ctx.cfg.global_batch_size, ctx.cfg.micro_batch_size
+        llm = plan.modules["backbone"]
+        self.num_microbatches = gbs // (mbs * llm.dp)
+        self.rows = {n: mbs * llm.dp // p.dp for n, p in plan.modules.items()}
+        self.scale = {n: p.dp / gbs for n, p in plan.modules.items()}
+        self.dp_rank = {n: self.pg[n].dp.rank() for n in MODULES}
+
+    def _regroup(self, x, src: str, dst: str):
+        if not x.requires_grad:          # keep every rank in the backward collective
+            x = x.detach().requires_grad_()
+        p = self.plan.modules
+        return _Regroup.apply(x, p[src], p[dst], self.dp_rank[dst], self.dp_rank[src])
+
+    def train_step(self, step: int) -> StepOutput:
+        start = time.perf_counter()
+        busy = dict.fromkeys(MODULES, 0.0)
+        events = []
+
+        def mark(name, kind, t0):
+            t1 = time.perf_counter()
+            busy[name] += t1 - t0
+            events.append({"module": name, "kind": kind, "start_s": t0 - start, "end_s": t1 - start})
+
+        data = {n: self.ctx.data.microbatches(step, self.dp_rank[n], self.plan.modules[n].dp, self.rows[n])
+                for n in MODULES}
+        sums = torch.zeros(3, dtype=torch.float64)
+        for name in MODULES:
+            self.models[name].zero_grad_buffer()
+            self.optimizers[name].zero_grad()
+        enc, llm, gen = (self.modules[n] for n in MODULES)
+        for m in range(self.num_microbatches):
+            t0 = time.perf_counter()
+            canvas_out = self._regroup(enc(data["encoder"][m]), "encoder", "backbone")
+            canvas_in = canvas_out.detach().requires_grad_()
+            mark("encoder", "fwd", t0)
+            t0 = time.perf_counter()
+            lm, cond = llm(data["backbone"][m], canvas_in)
+            cond_out = self._regroup(cond, "backbone", "generator")
+            cond_in = cond_out.detach().requires_grad_()
+            mark("backbone", "fwd", t0)
+            t0 = time.perf_counter()
+            g = gen(data["generator"][m], cond_in)
+            if g.requires_grad:
+                (g.sum() * self.scale["generator"]).backward()
+            cond_grad = cond_in.grad if cond_in.grad is not None else torch.zeros_like(cond_in)
+            mark("generator", "fwd+bwd", t0)
+            t0 = time.perf_counter()
+            torch.autograd.backward([lm.sum() * self.scale["backbone"], cond_out], [None, cond_grad])
+            mark("backbone", "bwd", t0)
+            t0 = time.perf_counter()
+            canvas_grad = canvas_in.grad if canvas_in.grad is not None else torch.zeros_like(canvas_in)
+            torch.autograd.backward([canvas_out], [canvas_grad])
+            mark("encoder", "bwd", t0)
+            if self.pg["backbone"].tp.rank() == 0:
+                sums += torch.tensor([lm.sum().item(), lm.sum().item(), 0.0], dtype=torch.float64)
+            if self.pg["generator"].tp.rank() == 0:
+                sums += torch.tensor([g.sum().item(), 0.0, g.sum().item()], dtype=torch.float64)
+        for name in MODULES:
+            t0 = time.perf_counter()
+            self.models[name].finish_grad_sync()
+            ok, _, _ = self.optimizers[name].step()
+            if not ok:
+                raise RuntimeError(f"{name} optimizer step was skipped (non-finite gradients)")
+            busy[name] += time.perf_counter() - t0
+        events = [e | {"kind": "fwd" if e["kind"] == "fwd+bwd" else e["kind"]} for e in events]
+        out = StepOutput(module_busy_s=busy, timeline=events)
+        out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
+        return out
