@@ -50,6 +50,8 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
         "encoder_load_imbalance": load_imbalance(plan, step_ids, "encoder", layout.module_dp["encoder"]),
         "generator_load_imbalance": load_imbalance(plan, step_ids, "generator", layout.module_dp["generator"]),
     }
+    if raw.get("weight_update_norm"):
+        metrics["weight_update_norm"] = raw["weight_update_norm"]
     if any(busy):
         # Idle (bubble) share of rank-time: what ranks did not spend computing.
         metrics["bubble_fraction"] = 1 - sum(busy) / (ranks * sum(latencies))

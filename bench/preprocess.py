@@ -333,13 +333,15 @@ class PreprocessService:
                         raise RuntimeError(f"preprocessing worker {i} exited with code {rc} before it was ready "
                                            f"(its error is printed above)")
                     partial[i] += chunk
-                    line, nl, _ = partial[i].partition(b"\n")
-                    if nl:
-                        word, _, endpoint = line.decode(errors="replace").strip().partition(" ")
-                        if word != "READY" or not endpoint.startswith("tcp://"):
-                            raise RuntimeError(f"preprocessing worker {i} said {line[:200]!r}, expected 'READY tcp://...'")
-                        endpoints[i] = endpoint
-                        sel.unregister(key.fileobj)
+                    while b"\n" in partial[i] and endpoints[i] is None:
+                        line, _, partial[i] = partial[i].partition(b"\n")
+                        text = line.decode(errors="replace").strip()
+                        word, _, endpoint = text.partition(" ")
+                        if word == "READY" and endpoint.startswith("tcp://"):
+                            endpoints[i] = endpoint
+                            sel.unregister(key.fileobj)
+                        elif text:                      # a library printing on stdout: pass it on
+                            print(f"[preprocess worker {i}] {text}", file=sys.stderr, flush=True)
                 for i, p in enumerate(self.processes):
                     if endpoints[i] is None and p.poll() is not None:
                         raise RuntimeError(f"preprocessing worker {i} exited with code {p.returncode} before it "

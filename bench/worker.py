@@ -122,13 +122,20 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
                   f"loss {entry['loss']:.5f} {latency:.3f} s", flush=True)
         if step == total - 1 and getattr(adapter, "records_timeline", False):
             _attach_timeline(steps, result.timeline, rank, world, device)
+    updates = adapter.weight_updates()
+    update_norms = None
+    if updates is not None:
+        sq = torch.tensor([updates.get(m, 0.0) for m in MODULES], dtype=torch.float64, device=device)
+        dist.all_reduce(sq)
+        update_norms = dict(zip(MODULES, sq.sqrt().tolist()))
     mem = torch.tensor([_peak_memory_gib(device)], dtype=torch.float64, device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     adapter.teardown()
     source.close()
     if rank == 0:
         payload = {"steps": steps, "peak_flops_per_device": peak_mean, "peak_flops_source": peak_source,
-                   "peak_memory_gib": mem.item(), "world_size": world}
+                   "peak_memory_gib": mem.item(), "world_size": world,
+                   "weight_update_norm": update_norms}
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(payload))
         tmp.rename(out)

@@ -63,6 +63,8 @@ class ColocatedRuntime:
             self.models[name] = _mcore.wrap_ddp(module, config, self.pg[name])
             self.optimizers[name] = _mcore.build_optimizer([self.models[name]], ctx.cfg.optim, ctx.dtype,
                                                            self.pg[name])
+        self.updates = _mcore.UpdateTracker(self.modules, {n: self.pg[n].tp.rank() for n in MODULES},
+                                            {n: self.pg[n].dp.rank() for n in MODULES})
         gbs, mbs = ctx.cfg.global_batch_size, ctx.cfg.micro_batch_size
         llm = plan.modules["backbone"]
         self.num_microbatches = gbs // (mbs * llm.dp)

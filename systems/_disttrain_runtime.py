@@ -49,6 +49,8 @@ class PipelineRuntime:
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
         self.module, self.config = build_module(self.name, ctx.workload, self.mp, pg, ctx.dtype, ctx.cfg.seed,
                                                 ctx.device)
+        self.updates = _mcore.UpdateTracker({self.name: self.module}, {self.name: self.tp_rank},
+                                            {self.name: self.dp_rank})
         self.model = _mcore.wrap_ddp(self.module, self.config, pg)
         self.optimizer = _mcore.build_optimizer([self.model], ctx.cfg.optim, ctx.dtype, pg)
         self.comm = MultiModulePipelineCommunicator(grids, TOPOLOGY, self.config,

@@ -43,3 +43,27 @@ def attach_grad_hooks(config, model_chunks) -> None:
     if len(model_chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]
     config.grad_sync_func = None
+
+
+class UpdateTracker:
+    """How far each module's weights moved during the run: sum over this rank's unique
+    shards of ||w - w0||^2. Summed over the world it is the squared update norm per module,
+    so two layouts of the same model can be compared (parity tests).
+
+    A shard counts on one rank only: TP-sharded parameters on every TP rank of DP rank 0,
+    replicated ones on TP rank 0 of DP rank 0.
+    """
+
+    def __init__(self, named_modules: dict[str, torch.nn.Module], tp_rank: dict[str, int], dp_rank: dict[str, int]):
+        self.params = []
+        for name, module in named_modules.items():
+            for p in module.parameters():
+                sharded = getattr(p, "tensor_model_parallel", False)
+                if dp_rank[name] == 0 and (sharded or tp_rank[name] == 0):
+                    self.params.append((name, p, p.detach().float().clone()))
+
+    def squared_updates(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, p, start in self.params:
+            out[name] = out.get(name, 0.0) + (p.detach().float() - start).pow(2).sum().item()
+        return out

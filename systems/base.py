@@ -66,6 +66,11 @@ class SystemAdapter(ABC):
     def train_step(self, step: int) -> StepOutput:
         """One optimizer step over the global batch of `step` (fetched from ctx.data)."""
 
+    def weight_updates(self) -> dict[str, float] | None:
+        """Optional: this rank's share of the squared weight update per module (see
+        systems._mcore.UpdateTracker); summed over ranks it lets tests compare layouts."""
+        return None
+
     def teardown(self) -> None:
         """Release what setup created; must leave no collective in flight."""
 

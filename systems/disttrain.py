@@ -51,6 +51,9 @@ class DistTrainSystem(SystemAdapter):
     def train_step(self, step: int) -> StepOutput:
         return self.runtime.train_step(step)
 
+    def weight_updates(self) -> dict[str, float]:
+        return self.runtime.updates.squared_updates()
+
     def teardown(self) -> None:
         from megatron.core import parallel_state
         parallel_state.destroy_global_memory_buffer()

@@ -62,6 +62,10 @@ class MegatronSystem(SystemAdapter):
         stage = MLLMStage(ctx.workload, tp_size=tp, pp_size=pp, pp_rank=self.pp_rank, pg=pg, dtype=ctx.dtype,
                           seed=ctx.cfg.seed).to(ctx.device)
         self.config = stage.config
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        modules = {n: getattr(stage, n) for n in ("encoder", "backbone", "generator") if hasattr(stage, n)}
+        self.updates = _mcore.UpdateTracker(modules, dict.fromkeys(modules, tp_rank),
+                                            dict.fromkeys(modules, self.dp_rank))
         self.model = _mcore.wrap_ddp(stage, stage.config)
         self.optimizer = _mcore.build_optimizer([self.model], ctx.cfg.optim, ctx.dtype)
         _mcore.attach_grad_hooks(self.config, [self.model])
@@ -97,6 +101,9 @@ class MegatronSystem(SystemAdapter):
         if self.reports_loss:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
+
+    def weight_updates(self) -> dict[str, float]:
+        return self.updates.squared_updates()
 
     def teardown(self) -> None:
         self.ps.destroy_model_parallel()
