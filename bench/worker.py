@@ -92,7 +92,10 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     adapter.setup(ctx)
     steps = []
     total = cfg.warmup + cfg.steps
+    fault = _fault_injection()
     for step in range(total):
+        if fault == (rank, step):
+            os._exit(17)       # a rank dying mid-run, for the failure tests
         dist.barrier()
         wait_before = source.wait_s
         start = time.perf_counter()
@@ -141,6 +144,15 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
         tmp.rename(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fault_injection() -> tuple[int, int] | None:
+    """BENCH_INJECT_RANK_EXIT=RANK:STEP makes that rank exit abruptly before that step."""
+    spec = os.environ.get("BENCH_INJECT_RANK_EXIT")
+    if not spec:
+        return None
+    rank, step = spec.split(":")
+    return int(rank), int(step)
 
 
 def _attach_timeline(steps, timeline, rank, world, device) -> None:

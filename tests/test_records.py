@@ -1,0 +1,59 @@
+"""Records: built and validated in one place, appended atomically, failures recorded."""
+import json
+from multiprocessing import Process
+
+import pytest
+
+from bench.records import RecordError, append_record, build_record, new_run_id, read_records
+from tests.helpers import run_record
+
+
+def _record(status="ok", **kw):
+    base = dict(run_id=new_run_id(), system="megatron", workload="tiny", data_profile="uniform", status=status,
+                layout={"label": "tp1-pp1-dp1"}, num_devices=1, config={}, env={},
+                steps=[{"step": 0, "latency_s": 0.1, "loss": 1.0}],
+                metrics={"samples_per_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "mfu_per_module": {}})
+    return build_record(**(base | kw))
+
+
+def test_validation_names_the_problem():
+    with pytest.raises(RecordError, match="needs a reason"):
+        _record(status="failed")
+    with pytest.raises(RecordError, match="lacks metrics"):
+        _record(metrics={})
+    with pytest.raises(RecordError, match="assumptions"):
+        _record(mode="simulated")
+
+
+def _append_many(path, n):
+    for _ in range(n):
+        append_record(_record(), path)
+
+
+def test_concurrent_appends_never_interleave(tmp_path):
+    path = tmp_path / "r.jsonl"
+    writers = [Process(target=_append_many, args=(path, 30)) for _ in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert len(read_records(path)) == 120
+
+
+def test_malformed_line_is_refused_with_file_and_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_record(_record(), path)
+    with open(path, "a") as f:
+        f.write(json.dumps({"schema_version": 1}) + "\n")
+    with pytest.raises(RecordError, match=r"r\.jsonl:2: missing keys"):
+        read_records(path)
+
+
+@pytest.mark.multiprocess
+def test_dead_rank_ends_the_run_and_is_recorded_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_INJECT_RANK_EXIT", "1:2")
+    # A collective timeout of an hour: if the run ends, the launcher ended it, not the timeout.
+    record = run_record("megatron", 2, {"steps": 5, "timeout_s": 3600}, tmp_path / "r.jsonl")
+    assert record["status"] == "failed"
+    assert record["reason"].startswith("exit code") and "timeout" not in record["reason"]
+    assert read_records(tmp_path / "r.jsonl")[0]["status"] == "failed"
