@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import queue
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from bench.preprocess import (ProtocolError, decode_request, encode_microbatch, run_identity)
+from bench.preprocess import ProtocolError, decode_request, encode_microbatch, run_identity
 from workloads.loader import DatasetReader
 from workloads.presets import get_workload
 

@@ -110,13 +110,20 @@ def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_e
     return rc, _failure_reason(lines)
 
 
+CONSEQUENCES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer")
+
+
 def _failure_reason(lines: list[str]) -> str:
-    """The most telling line of a failed run: a rank's exception message, else the last line."""
-    ranked = [l for l in lines if l.startswith("[rank")]
-    for line in reversed(ranked + lines if ranked else lines):
-        text = line.split("]:", 1)[-1].strip()
-        if any(k in text for k in ("Error:", "Exception:", "error:")) and "ChildFailedError" not in text:
-            return text[:400]
+    """The most telling line of a failed run: the first rank error that is not merely
+    another rank noticing the failure, else the last line."""
+    errors = []
+    for line in lines:
+        text = line.split("]:", 1)[-1].strip() if line.startswith("[rank") else line.strip()
+        if any(k in text for k in ("Error:", "Exception:", "error:")):
+            errors.append(text)
+    causes = [e for e in errors if not any(c in e for c in CONSEQUENCES)]
+    if causes or errors:
+        return (causes or errors)[0][:400]
     return (lines[-1] if lines else "no output")[:400]
 
 

@@ -83,9 +83,6 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     dist.barrier()
     peak, peak_source = peak_flops_per_device(device.type, cfg.dtype,
                                               torch.cuda.get_device_name() if device.type == "cuda" else "")
-    peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
-    dist.all_reduce(peak_t)
-    peak_mean = peak_t.item() / world
 
     source, plan = _make_source(cfg, workload, dataset, device, rank, layout)
     ctx = TrainContext(cfg, workload, layout, rank, world, device, dtype, source, plan)
@@ -131,6 +128,14 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
         sq = torch.tensor([updates.get(m, 0.0) for m in MODULES], dtype=torch.float64, device=device)
         dist.all_reduce(sq)
         update_norms = dict(zip(MODULES, sq.sqrt().tolist()))
+    # Measured again at the end, all ranks at once; the higher of the two is the peak, so a
+    # moment of outside load during one measurement cannot inflate MFU.
+    dist.barrier()
+    if device.type == "cpu":
+        peak = max(peak, peak_flops_per_device(device.type, cfg.dtype)[0])
+    peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
+    dist.all_reduce(peak_t)
+    peak_mean = peak_t.item() / world
     mem = torch.tensor([_peak_memory_gib(device)], dtype=torch.float64, device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     adapter.teardown()

@@ -1,10 +1,16 @@
 """The simulated cluster: one GPU type, nodes of `gpus_per_node`, two network tiers.
 
 Every number here is an assumption of the simulator and goes into the record verbatim
-(`Cluster.assumptions()`); the sources are datasheet figures, not measurements.
+(`Cluster.assumptions()`); for the GPU clusters the sources are datasheet figures, not
+measurements. `cluster_from_profile` builds a cluster from a `python -m bench profile` file
+instead: a GPU's (efficiency measured or derived) or *this CPU's*, where every number is a
+measurement of this machine (bench/profile.py) and the extra host costs a CPU run pays
+(per-call overheads, data preprocessing in the trainer, the optimizer step, processes
+sharing cores) are switched on.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 from bench.metrics import PEAK_FLOPS
@@ -42,16 +48,42 @@ class Cluster:
     usable_memory_fraction: float = 0.9
     efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     efficiency_source: str = DEFAULT_EFFICIENCY_SOURCE
+    # --- measured-hardware extensions (bench/profile.py); the defaults leave the GPU model as it is.
+    # A measured peak (a CPU has no datasheet row): replaces PEAK_FLOPS[gpu][dtype] when set.
+    peak_flops_measured: float | None = None
+    peak_flops_measured_source: str = ""
+    # Point-to-point (pipeline) transfers over their own measured link; None: the tiers above.
+    p2p_bw: float | None = None
+    p2p_latency: float | None = None
+    # Bytes per activation / gradient / parameter element on the wire (2: bf16; 4: fp32 CPU runs).
+    value_bytes: int = 2
+    # Per module: fixed seconds of one forward + backward call on top of FLOPs / rate (kernel and
+    # Python overheads that dominate small CPU layers), split 1/3 forward, 2/3 backward.
+    overhead_s: dict = field(default_factory=dict)
+    # Host-side costs per iteration (CPU runs): optimizer {"fixed_s", "s_per_param"} per optimizer,
+    # data {"s_per_sample", "s_per_input_pixel", "s_per_output_pixel", "collate_s_per_microbatch"}
+    # per rank that preprocesses in the trainer, "collectives_per_step" world collectives (the
+    # harness's barriers and loss reductions). Empty: not modelled (the GPU clusters).
+    host: dict = field(default_factory=dict)
+    # Compute (and host work) runs this many times slower than measured: processes sharing cores.
+    compute_slowdown: float = 1.0
+    slowdown_source: str = "none: one device per rank"
 
     def __post_init__(self):
-        if self.gpu not in PEAK_FLOPS:
+        if self.peak_flops_measured is None and self.gpu not in PEAK_FLOPS:
             raise ValueError(f"unknown gpu {self.gpu!r}; choose one of {sorted(PEAK_FLOPS)}")
         missing = {"encoder", "backbone", "generator"} - set(self.efficiency)
-        if missing or not all(0 < v <= 1 for v in self.efficiency.values()):
-            raise ValueError(f"efficiency needs encoder/backbone/generator in (0, 1]; got {self.efficiency}")
+        # A measured CPU peak (one 512^2 matmul) can be beaten by larger GEMMs: allow up to 4 there.
+        top = 1.0 if self.peak_flops_measured is None else 4.0
+        if missing or not all(0 < v <= top for v in self.efficiency.values()):
+            raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
+        if self.compute_slowdown < 1 or self.value_bytes < 1:
+            raise ValueError("compute_slowdown must be >= 1 and value_bytes >= 1")
 
     @property
     def peak_flops(self) -> float:
+        if self.peak_flops_measured is not None:
+            return self.peak_flops_measured
         return PEAK_FLOPS[self.gpu][self.dtype]
 
     @property
@@ -68,10 +100,19 @@ class Cluster:
         """A copy whose per-module efficiency comes from a profile (e.g. measured on one GPU)."""
         return replace(self, efficiency={**self.efficiency, **efficiency}, efficiency_source=source)
 
+    def with_slowdown(self, processes: int, cores: int | None = None) -> "Cluster":
+        """Processes sharing `cores` CPU cores: each gets min(1, cores / processes) of a core."""
+        cores = cores or os.cpu_count() or 1
+        f = max(1.0, processes / cores)
+        return replace(self, compute_slowdown=f, slowdown_source=(
+            f"{processes} processes on {cores} cores: each gets min(1, {cores}/{processes}) of a core, so compute, "
+            f"data preprocessing and the optimizer step run {f:.3g}x slower than profiled on one core"))
+
     def assumptions(self) -> dict:
         out = asdict(self)
         out["peak_flops"] = self.peak_flops
-        out["peak_flops_source"] = PEAK_FLOPS[self.gpu]["source"] + f" ({self.dtype} dense)"
+        out["peak_flops_source"] = (self.peak_flops_measured_source if self.peak_flops_measured is not None
+                                    else PEAK_FLOPS[self.gpu]["source"] + f" ({self.dtype} dense)")
         return out
 
 
@@ -89,3 +130,95 @@ def get_cluster(name: str | Cluster) -> Cluster:
     if name not in CLUSTERS:
         raise KeyError(f"unknown cluster {name!r}; choose one of {sorted(CLUSTERS)}")
     return CLUSTERS[name]
+
+
+MODULES = ("encoder", "backbone", "generator")
+
+
+def _physical_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+# What `cpu_cluster` assumes when no profile of this machine exists (order of magnitude of
+# what bench/profile.py measured on a 2-core AMD EPYC VM, fp32, 1 thread per process:
+# 20-70 GFLOP/s per core, gloo on loopback ~100 us and ~1-3 GB/s). Only plan=auto uses it.
+CPU_DEFAULTS = {
+    "peak_flops": 50e9, "efficiency": {"encoder": 0.8, "backbone": 1.0, "generator": 0.8},
+    "overhead_s": {"encoder": 0.005, "backbone": 0.005, "generator": 0.005},
+    "p2p_latency_s": 150e-6, "p2p_bandwidth_Bps": 2e9, "allreduce_latency_s": 100e-6,
+    "allreduce_bandwidth_Bps": 1e9,
+    "source": "documented defaults (bench.sim.cluster.CPU_DEFAULTS), not a measurement of this machine",
+}
+
+
+def cpu_cluster(processes: int, cores: int | None = None, profile: dict | None = None,
+                oversubscription: bool = True) -> Cluster:
+    """This CPU as a cluster of `processes` gloo ranks on one node, from a profile (or CPU_DEFAULTS)."""
+    if profile is not None:
+        return cluster_from_profile(profile, processes=processes, cores=cores, oversubscription=oversubscription)
+    d = CPU_DEFAULTS
+    c = Cluster(name="cpu-defaults", gpu="CPU", dtype="fp32", gpus_per_node=max(processes, 1),
+                intra_node_bw=d["allreduce_bandwidth_Bps"], inter_node_bw=d["allreduce_bandwidth_Bps"],
+                intra_node_bw_source=d["source"], inter_node_bw_source=d["source"],
+                intra_node_latency=d["allreduce_latency_s"], inter_node_latency=d["allreduce_latency_s"],
+                p2p_bw=d["p2p_bandwidth_Bps"], p2p_latency=d["p2p_latency_s"],
+                latency_source=d["source"], memory_gb=_physical_memory_gb(),
+                memory_source="this machine's physical memory", efficiency=dict(d["efficiency"]),
+                efficiency_source=d["source"], peak_flops_measured=d["peak_flops"],
+                peak_flops_measured_source=d["source"], value_bytes=4, overhead_s=dict(d["overhead_s"]))
+    return c.with_slowdown(processes, cores) if oversubscription else c
+
+
+def cluster_from_profile(profile: dict, processes: int | None = None, cores: int | None = None,
+                         oversubscription: bool = True) -> Cluster:
+    """A cluster from a bench/profile.py profile.
+
+    Derived (GPU spec) profiles: that GPU's datasheet cluster with the profile's per-module
+    efficiency. Measured CPU profiles: `processes` gloo ranks on this node; per-module rate
+    (FLOP/s, as efficiency x the measured peak) and per-call overhead from the profile's fit;
+    gloo all-reduce (every collective) and send/recv (every pipeline link) latency and
+    bandwidth as measured;
+    fp32 on the wire; host costs (optimizer, data, harness collectives) as measured; and,
+    with `oversubscription`, compute slowed by processes / cores when they exceed the cores.
+    """
+    mods = profile["modules"]
+    src = profile.get("derived_from") or {}
+    where = f"profile of {profile['hardware']['name']} ({profile['workload']}, {profile['date']})"
+    if profile.get("derived") or profile["hardware"].get("device") == "cuda":
+        spec = profile["hardware"].get("spec") or profile["hardware"]["key"].upper()
+        base = next((c for c in CLUSTERS.values() if c.gpu.lower() == str(spec).lower()), None)
+        if base is None:
+            base = Cluster(name=f"{str(spec).lower()}-ib", gpu=spec)
+        eff = {n: min(1.0, float(mods[n]["efficiency"])) for n in MODULES}
+        note = profile.get("efficiency_source") or f"measured on one GPU: {where}"
+        return base.with_efficiency(eff, f"{note}; derived={bool(profile.get('derived'))} {src}")
+    peak = float(profile["peak_flops"])
+    eff = {n: max(1e-6, min(4.0, float(mods[n]["rate_flops"]) / peak)) for n in MODULES}
+    comm = profile.get("comm") or {}
+    p2p, ar = comm.get("p2p") or {}, comm.get("allreduce") or {}
+    d = CPU_DEFAULTS
+    comm_src = (f"gloo measured between 2 local processes ({where})" if comm
+                else d["source"])
+    procs = processes or 1
+    c = Cluster(
+        name=f"cpu-{profile['workload']}-profile", gpu="CPU", dtype=profile.get("dtype", "fp32"),
+        gpus_per_node=max(procs, 1),
+        intra_node_bw=float(ar.get("bandwidth_Bps", d["allreduce_bandwidth_Bps"])),
+        intra_node_latency=float(ar.get("latency_s", d["allreduce_latency_s"])),
+        inter_node_bw=float(ar.get("bandwidth_Bps", d["allreduce_bandwidth_Bps"])),
+        inter_node_latency=float(ar.get("latency_s", d["allreduce_latency_s"])),
+        p2p_bw=float(p2p.get("bandwidth_Bps", d["p2p_bandwidth_Bps"])),
+        p2p_latency=float(p2p.get("latency_s", d["p2p_latency_s"])),
+        intra_node_bw_source="collectives (one node, both tiers): " + comm_src,
+        inter_node_bw_source="collectives (one node, both tiers): " + comm_src,
+        latency_source="collectives: all-reduce, p2p_*: send/recv; " + comm_src,
+        memory_gb=_physical_memory_gb(),
+        memory_source="this machine's physical memory (all ranks share it; the per-rank check is lenient)",
+        efficiency=eff,
+        efficiency_source=(f"measured: per-module FLOP/s of the fit time = overhead + FLOPs / rate over real "
+                           f"microbatches, divided by the measured peak ({where})"),
+        peak_flops_measured=peak, peak_flops_measured_source=profile.get("peak_flops_source", where),
+        value_bytes=2 if profile.get("dtype") == "bf16" else 4,
+        overhead_s={n: float(mods[n].get("overhead_s", 0.0)) for n in MODULES},
+        host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
+              "source": where})
+    return c.with_slowdown(procs, cores) if oversubscription else c

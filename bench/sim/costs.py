@@ -14,6 +14,14 @@ volume as one all-reduce), not overlapped with compute. ZeRO-3 instead gathers p
 for forward and backward and reduce-scatters gradients every microbatch.
 Optimizer step, norms, embeddings lookups and kernel launch gaps are not modelled.
 
+Measured-hardware clusters (bench.sim.cluster.cluster_from_profile; all off by default):
+compute is FLOPs / (TP x rate) + a fixed per-call overhead of the module (both from the
+profile's fit over real microbatches), times the cluster's `compute_slowdown` (processes
+sharing cores); transfers move `value_bytes` per element (4 for fp32 CPU runs) and pipeline
+p2p uses the measured send/recv link. `host_time` adds, per iteration and not overlapped,
+what the slowest rank spends preprocessing its samples in the trainer, its optimizer step
+(fixed + per-parameter time of its shard) and the harness's world collectives.
+
 Memory per GPU. 16 bytes per parameter: bf16 weight (2) + bf16 gradient (2) + fp32 master
 weight, Adam m and v (12). Sharded over the data-parallel group by stage: 1 (and Megatron's
 distributed optimizer) the 12; 2 also the gradient; 3 everything. Activations follow
@@ -133,7 +141,12 @@ def batch_costs(w: Workload, metas) -> BatchCosts:
 
 def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False):
     """(forward, backward) compute seconds of `flops` training FLOPs on a TP group."""
-    t = np.asarray(flops, dtype=np.float64) / (tp * cluster.peak_flops * cluster.efficiency[module])
+    flops = np.asarray(flops, dtype=np.float64)
+    t = flops / (tp * cluster.peak_flops * cluster.efficiency[module])
+    over = cluster.overhead_s.get(module, 0.0)
+    if over:
+        t = t + np.where(flops > 0, over, 0.0)
+    t = t * cluster.compute_slowdown
     return t / 3, 2 * t / 3 + (t / 3 if recompute else 0.0)
 
 
@@ -143,7 +156,7 @@ def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, reco
         z = 0.0 * np.asarray(tokens, dtype=np.float64)
         return z, z
     bw, lat = link(cluster, tp > cluster.gpus_per_node)
-    one = ring_allreduce(np.asarray(tokens, dtype=np.float64) * hidden * 2, tp, bw, lat) * layers
+    one = ring_allreduce(np.asarray(tokens, dtype=np.float64) * hidden * cluster.value_bytes, tp, bw, lat) * layers
     return 2 * one, (4 if recompute else 2) * one
 
 
@@ -156,20 +169,24 @@ def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: i
 
 def p2p_time(tokens, hidden: int, tp, cluster: Cluster, spans_nodes):
     """One pipeline transfer of `tokens` activations (bf16), scattered over the TP ranks."""
-    bw, lat = link(cluster, spans_nodes)
-    return np.asarray(tokens, dtype=np.float64) * hidden * 2 / tp / bw + lat
+    if cluster.p2p_bw is not None:
+        bw, lat = cluster.p2p_bw, cluster.p2p_latency
+    else:
+        bw, lat = link(cluster, spans_nodes)
+    return np.asarray(tokens, dtype=np.float64) * hidden * cluster.value_bytes / tp / bw + lat
 
 
 def dp_sync_time(params_per_gpu, dp, spans_nodes, cluster: Cluster):
     """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16)."""
     bw, lat = link(cluster, spans_nodes)
-    return ring_allreduce(np.asarray(params_per_gpu, dtype=np.float64) * GRAD_BYTES, dp, bw, lat)
+    return ring_allreduce(np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes),
+                          dp, bw, lat)
 
 
 def zero3_microbatch_comm(params, dp, spans_nodes, cluster: Cluster):
     """ZeRO-3 per microbatch: all-gather for forward and backward, reduce-scatter of gradients."""
     bw, lat = link(cluster, spans_nodes)
-    return 3 * ring_shard(np.asarray(params, dtype=np.float64) * WEIGHT_BYTES, dp, bw, lat)
+    return 3 * ring_shard(np.asarray(params, dtype=np.float64) * max(WEIGHT_BYTES, cluster.value_bytes), dp, bw, lat)
 
 
 def state_bytes(params, dp, zero_stage: int = 1):
@@ -214,3 +231,38 @@ def tp_choices(max_tp: int, *head_counts: int) -> list[int]:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ------------------------------------------------------------------ host costs (measured clusters)
+
+def load_seconds(w: Workload, metas, cluster: Cluster) -> np.ndarray:
+    """Seconds to read and preprocess each sample in a trainer (0 without a data model)."""
+    d = (cluster.host or {}).get("data")
+    if not d:
+        return np.zeros(len(metas))
+    return cluster.compute_slowdown * np.array(
+        [d["s_per_sample"] + d["s_per_input_pixel"] * sum(r * r for r in m.input_resolutions)
+         + d["s_per_output_pixel"] * sum(r * r for r in m.output_resolutions) for m in metas], dtype=np.float64)
+
+
+def data_time(load_s: np.ndarray, samples, microbatches: int, cluster: Cluster) -> float:
+    """One rank preprocessing `samples` (positions into load_s) as `microbatches` collated batches."""
+    d = (cluster.host or {}).get("data")
+    if not d:
+        return 0.0
+    return float(np.sum(load_s[list(samples)])) + cluster.compute_slowdown * microbatches * d[
+        "collate_s_per_microbatch"]
+
+
+def optimizer_time(params_shard, cluster: Cluster, optimizers: int = 1) -> float:
+    """`optimizers` optimizer steps over `params_shard` parameters in all (0 without a model)."""
+    o = (cluster.host or {}).get("optimizer")
+    if not o:
+        return 0.0
+    return cluster.compute_slowdown * (optimizers * o["fixed_s"] + o["s_per_param"] * float(params_shard))
+
+
+def harness_time(world: int, cluster: Cluster) -> float:
+    """The benchmark loop's own world collectives per step (barriers, loss and busy-time reductions)."""
+    n = (cluster.host or {}).get("collectives_per_step", 0)
+    return float(n * ring_allreduce(64.0, world, cluster.intra_node_bw, cluster.intra_node_latency)) if n else 0.0
