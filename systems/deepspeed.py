@@ -7,15 +7,30 @@ gradients (2), also parameters (3). The math is Megatron's: a microbatch's loss 
 of its per-sample (lm + gen) losses, DeepSpeed scales it by 1 / gradient-accumulation steps
 and averages gradients over DP; the optimizer is torch's AdamW with Megatron's settings.
 
+The MLLM's control flow depends on the data: the encoder and generator loop over a
+microbatch's image groups, and a sample without images skips them. Plain DeepSpeed assumes
+every rank runs the same modules and produces the same gradients in the same order, so:
+  - ZeRO >= 1 accumulates gradients locally and reduces them once per optimizer step, in
+    parameter order (DeepSpeed's `coalesce_grad_reduction`), with zeros for parameters a
+    rank did not use. ZeRO-2/3 therefore hold full gradients until the end of the step
+    instead of reduce-scattering them bucket by bucket during backward.
+  - ZeRO-3 makes the encoder and generator "leaf" modules (gathered whole per call) and
+    anchors their outputs so every rank runs the same gather/release hooks; see
+    `_make_dynamic_modules_zero3_safe`.
+
 DeepSpeed is imported inside `setup` only, so the parent process and `layout()` stay light.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
 
 ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed's own default: ZeRO-3 keeps parameters up to this many elements unpartitioned.
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 
 
 def _zero_stage(options) -> int:
@@ -26,15 +41,18 @@ def _zero_stage(options) -> int:
 
 
 def ds_config(*, zero_stage: int, global_batch_size: int, micro_batch_size: int, dp: int,
-              dtype: torch.dtype, clip_grad: float) -> dict:
-    """The DeepSpeed config dict (no "optimizer" entry: the adapter passes a torch AdamW, which
+              dtype: torch.dtype, clip_grad: float, persistence_threshold: int) -> dict:
+    """The DeepSpeed config (no "optimizer" entry: the adapter passes a torch AdamW, which
     compiles nothing, where the config's optimizer would build the fused_adam extension)."""
+    zero = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = persistence_threshold
     return {
         "train_batch_size": global_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": global_batch_size // (micro_batch_size * dp),
         "gradient_clipping": float(clip_grad),
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16},
         # torch's AdamW is not on DeepSpeed's list of tested ZeRO optimizers.
         "zero_allow_untested_optimizer": True,
@@ -46,10 +64,15 @@ def ds_config(*, zero_stage: int, global_batch_size: int, micro_batch_size: int,
 @register
 class DeepSpeedSystem(SystemAdapter):
     name = "deepspeed"
-    options = {"zero_stage": 1}
+    # persistence_threshold: ZeRO-3 only; parameters with at most this many elements stay
+    # unpartitioned (DeepSpeed's default). 0 partitions every parameter, even in tiny models.
+    options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD}
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
         stage = _zero_stage(options)
+        threshold = options.get("persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
+        if not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError(f"persistence_threshold={threshold!r}; give a number of elements >= 0")
         if global_batch_size % (micro_batch_size * nproc):
             raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size}"
                               f" x dp {nproc}; change --nproc, micro_batch_size or global_batch_size")
@@ -65,12 +88,17 @@ class DeepSpeedSystem(SystemAdapter):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from workloads.mllm import MLLMStage
 
+        self.stage = ctx.layout.details["zero_stage"]
+        if self.stage == 0 and ctx.dtype == torch.bfloat16:
+            # Measured: its FP16_UnfusedOptimizer moves bf16 weights visibly less than AdamW on
+            # fp32 master weights (ZeRO-1/2/3 and Megatron agree with each other).
+            raise RuntimeError("deepspeed: zero_stage=0 with bf16 does not reproduce AdamW on fp32 master weights "
+                               "in DeepSpeed 0.19; use zero_stage >= 1 for bf16")
         deepspeed = _import_deepspeed(ctx.device)
-        details = ctx.layout.details
         self.ctx, self.ps = ctx, ps
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        if self.dp_size != details["dp"]:
-            raise RuntimeError(f"layout expects dp={details['dp']} but the world has {self.dp_size} processes")
+        if self.dp_size != ctx.layout.details["dp"]:
+            raise RuntimeError(f"layout expects dp={ctx.layout.details['dp']} but the world has {self.dp_size} ranks")
 
         # Size-1 TP/PP/CP groups for the megatron layers; every rank is its own model replica.
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -81,73 +109,80 @@ class DeepSpeedSystem(SystemAdapter):
 
         optim = ctx.cfg.optim
         # Megatron's "adam" without TransformerEngine/apex is torch.optim.AdamW (decoupled weight
-        # decay) with one weight decay for every parameter when no LR/WD scheduler runs.
+        # decay), with the same weight decay for every parameter when no scheduler runs.
         optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(0.9, 0.95), eps=1e-8,
                                       weight_decay=optim.weight_decay)
-        self.stage = details["zero_stage"]
         self.config = ds_config(zero_stage=self.stage, global_batch_size=ctx.cfg.global_batch_size,
                                 micro_batch_size=ctx.cfg.micro_batch_size, dp=self.dp_size, dtype=ctx.dtype,
-                                clip_grad=optim.clip_grad)
+                                clip_grad=optim.clip_grad,
+                                persistence_threshold=ctx.cfg.options.get("persistence_threshold",
+                                                                          DEFAULT_PERSISTENCE_THRESHOLD))
         self.gas = self.config["gradient_accumulation_steps"]
         if self.stage == 3:
             _make_dynamic_modules_zero3_safe(deepspeed, model)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                     dist_init_required=False)
+        self.updates = _UpdateShare(self.engine.module, self.stage, self.dp_rank, self.dp_size)
         if self.stage == 3:
-            # The leaf modules' own gradient hooks would zero-fill gradients before ZeRO-3 has
-            # gathered the parameters; the coalesced reduction below does their job.
+            # A leaf module's gradient hook zero-fills its parameters' missing gradients; for the
+            # encoder (no tensor input) it fires before ZeRO-3 gathers the parameters in backward
+            # and fills them with the wrong shape. The anchor and the coalesced reduction cover
+            # what it is for, so it goes.
             for handle in self.engine.optimizer._leaf_module_hooks:
                 handle.remove()
             self.engine.optimizer._leaf_module_hooks.clear()
         if self.stage >= 1:
-            # One coalesced reduction per optimizer step (see train_step): the step is always
-            # an accumulation boundary.
+            # One coalesced reduction and one engine.step() per optimizer step (train_step).
             self.engine.set_gradient_accumulation_boundary(True)
 
     def train_step(self, step: int) -> StepOutput:
-        import contextlib
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.dp_size)
         if len(microbatches) != self.gas:
             raise RuntimeError(f"step {step}: {len(microbatches)} microbatches on rank {self.dp_rank}, "
                                f"DeepSpeed accumulates {self.gas}")
-        sums = torch.zeros(3, dtype=torch.float64)
         engine = self.engine
         engine.train()
-        # Which parameters get gradients, and in which order, depends on the data (a sample
-        # with no images skips the encoder), so ranks would fill ZeRO's gradient buckets
-        # differently. With ZeRO >= 1 the gradients are therefore accumulated locally and
-        # reduced once per step in parameter order (DeepSpeed's coalesced reduction), with
-        # zeros for parameters this rank did not use; ZeRO-0 zero-fills by itself.
+        sums = torch.zeros(3, dtype=torch.float64)
         coalesce = engine.coalesce_grad_reduction() if self.stage >= 1 else contextlib.nullcontext()
-        with coalesce:
-            for mb in microbatches:
-                lm, gen = engine(mb)
-                per_sample = lm + gen
-                sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
-                # DeepSpeed divides by the accumulation steps and averages gradients over DP.
-                engine.backward(per_sample.mean())
-                if self.stage == 0:
-                    engine.step()   # an optimizer step only at the accumulation boundary
-            if self.stage in (1, 2):
-                for p in engine.module.parameters():
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
+        # Entered by hand: leaving it reduces (collectives), which must not run on a rank whose
+        # microbatch loop raised, or the run would hang until its timeout instead of failing.
+        coalesce.__enter__()
+        for mb in microbatches:
+            lm, gen = engine(mb)
+            per_sample = lm + gen
+            sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
+            # DeepSpeed divides by the accumulation steps and averages gradients over DP.
+            engine.backward(per_sample.mean())
+            if self.stage == 0:
+                engine.step()   # ZeRO-0 steps the optimizer at the accumulation boundary only
+        if self.stage in (1, 2):
+            # Same parameters on every rank in the reduction; ZeRO-0 zero-fills by itself and
+            # ZeRO-3's anchors give every parameter a gradient.
+            for p in engine.module.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        coalesce.__exit__(None, None, None)
         if self.stage >= 1:
             engine.step()
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed made {engine.global_steps} optimizer steps by the end of step {step}")
+        if engine.skipped_steps:
+            raise RuntimeError("DeepSpeed skipped an optimizer step (non-finite gradients)")
         # Every rank is a replica that trained on its own samples: each reports those.
         out = StepOutput()
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
 
+    def weight_updates(self) -> dict[str, float]:
+        return self.updates.squared_updates()
+
     def teardown(self) -> None:
         import torch.distributed as dist
         engine = getattr(self, "engine", None)
         if engine is not None:
-            # ZeRO-3 over gloo can abort at exit with an all-gather still in flight; releasing
-            # the gathered parameters and meeting at a barrier leaves nothing outstanding.
-            # The worker destroys the process group after this.
+            # ZeRO-3 over gloo can abort at exit with an all-gather still in flight: release the
+            # gathered parameters and meet at a barrier so nothing is outstanding. The worker
+            # destroys the process group after this (so not here: no double destroy).
             engine.empty_partition_cache()
             engine.destroy()
             self.engine = None
@@ -155,31 +190,65 @@ class DeepSpeedSystem(SystemAdapter):
         self.ps.destroy_model_parallel()
 
 
+class _UpdateShare:
+    """This rank's share of each module's squared weight update, sum ||w - w0||^2 (summed over
+    the world by the worker). Every element counts on exactly one rank: with ZeRO-3 the
+    elements of this rank's parameter partitions, otherwise every dp_size-th parameter. The
+    starting values are kept on the CPU, so device memory measurements are unaffected."""
+
+    def __init__(self, model: torch.nn.Module, stage: int, rank: int, world: int):
+        self.stage, self.rank = stage, rank
+        self.tracked = [(name.split(".", 1)[0], p, self._local(p).float().cpu().clone())
+                        for i, (name, p) in enumerate(model.named_parameters())
+                        if stage == 3 or i % world == rank]
+
+    def _local(self, p: torch.nn.Parameter) -> torch.Tensor:
+        if self.stage != 3:
+            return p.detach()
+        part = p.ds_tensor.detach().view(-1)   # this rank's flat slice of the parameter, padded
+        valid = max(0, min(part.numel(), p.ds_numel - self.rank * part.numel()))
+        return part[:valid]
+
+    def squared_updates(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for module, p, start in self.tracked:
+            moved = (self._local(p).float().cpu() - start).pow(2).sum().item()
+            out[module] = out.get(module, 0.0) + moved
+        return out
+
+
 def _import_deepspeed(device: torch.device):
     import deepspeed
     if device.type == "cpu":
         # DeepSpeed's CPU backend compiles a shared-memory all-reduce op (g++, ~40 s) when it
         # first wraps the process group; only inference uses it, so training skips it.
+        # (sys.modules: `deepspeed.comm.torch` as an attribute is the torch package.)
         import sys
-        import deepspeed.comm.torch  # noqa: F401  (the module; the attribute is torch itself)
+        import deepspeed.comm.torch  # noqa: F401
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     return deepspeed
 
 
 def _make_dynamic_modules_zero3_safe(deepspeed, model) -> None:
-    """ZeRO-3 gathers a module's parameters when the module runs and needs every rank to run
-    the same modules in the same order. The encoder and generator loop over the microbatch's
-    image groups (none for a sample without images), so they become ZeRO-3 leaf modules:
-    gathered whole once per call, whatever happens inside. Their output gets `0 * sum(params)`
-    added (numerically a no-op) so that it always requires a gradient: every rank then gathers
-    them again in backward, and every parameter gets a gradient on every rank."""
+    """ZeRO-3 gathers a module's parameters when the module runs (and checks that all ranks
+    ran the same modules), so every rank must run the same modules in the same order, forward
+    and backward. The encoder and generator run their inner modules once per image group
+    (never for a microbatch without images), so they become ZeRO-3 leaf modules: gathered
+    whole once per call, whatever happens inside. Their output gets
+    `0 * (sum of their parameters and tensor inputs)` added (exactly zero) so that on every
+    rank it requires a gradient that reaches every parameter and input: every rank then
+    gathers and releases them in backward at the same point, and every parameter has a
+    gradient for the reduction."""
     from workloads.model import ImageEncoder, ImageGenerator
     leaves = deepspeed.utils.set_z3_leaf_modules(model, [ImageEncoder, ImageGenerator])
 
     def anchor(module, args, output):
-        zero = torch.stack([p.float().sum() for p in module.parameters()]).sum() * 0.0
+        used = [p for p in module.parameters() if p.requires_grad]
+        used += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        zero = torch.stack([t.sum(dtype=torch.float32) for t in used]).sum() * 0.0
         return output + zero.to(output.dtype)
 
     for leaf in leaves:
-        # Registered before deepspeed.initialize, so it runs before ZeRO-3 releases the parameters.
+        # Registered before deepspeed.initialize, so it runs before ZeRO-3's own post-forward
+        # hook releases the parameters.
         leaf.register_forward_hook(anchor)

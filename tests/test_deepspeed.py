@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO baseline: same losses as Megatron at TP=PP=DP=1, clean ZeRO-3 shutdown, and
+options validated before anything launches."""
+from __future__ import annotations
+
+import pytest
+
+from bench.config import resolve
+from bench.runner import run
+from systems.base import ConfigError
+
+STEPS = 5
+# Short runs on a small dataset; the data root is per module so concurrent test sessions
+# never share a half-written dataset.
+SHORT = {"warmup": 0, "steps": STEPS, "data.num_samples": 64}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("deepspeed-data"))
+
+
+def _run(tmp_path, system, nproc, sets):
+    cfg, layout = resolve(system, "tiny", nproc, sets)
+    record = run(cfg, layout, results=tmp_path / "r.jsonl", wandb_mode="disabled", quiet=True)
+    assert record["status"] == "ok", record["reason"]
+    return record
+
+
+def _losses(record):
+    return [(s["loss"], s["lm_loss"], s["gen_loss"]) for s in record["steps"]]
+
+
+@pytest.fixture(scope="module")
+def megatron_reference(tmp_path_factory, data_root):
+    tmp = tmp_path_factory.mktemp("megatron-reference")
+    record = _run(tmp, "megatron", 1, {**SHORT, "data.root": data_root})
+    assert record["layout"]["label"] == "tp1-pp1-dp1"
+    return record
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_reproduces_megatron(tmp_path, data_root, megatron_reference, zero_stage):
+    sets = {**SHORT, "data.root": data_root, "zero_stage": zero_stage}
+    if zero_stage == 3:
+        # Partition every parameter: the tiny model would otherwise stay whole under
+        # DeepSpeed's default persistence threshold and skip ZeRO-3's gathers.
+        sets["persistence_threshold"] = 0
+    record = _run(tmp_path, "deepspeed", 2, sets)
+    assert record["layout"]["label"] == f"zero{zero_stage}-dp2"
+    losses, reference = _losses(record), _losses(megatron_reference)
+    assert len(losses) == len(reference) == STEPS
+    for step, (mine, ref) in enumerate(zip(losses, reference)):
+        for value, expected in zip(mine, ref):
+            assert value == pytest.approx(expected, rel=1e-4), f"step {step}: {mine} vs megatron {ref}"
+    # The weights moved as far, module by module.
+    moved = record["metrics"]["weight_update_norm"]
+    want = megatron_reference["metrics"]["weight_update_norm"]
+    for module in ("encoder", "backbone", "generator"):
+        assert want[module] > 0
+        assert moved[module] == pytest.approx(want[module], rel=1e-4), module
+
+
+@pytest.mark.multiprocess
+def test_ten_zero3_runs_exit_cleanly(tmp_path, data_root):
+    sets = {"warmup": 0, "steps": 1, "data.num_samples": 64, "data.root": data_root, "zero_stage": 3,
+            "persistence_threshold": 0}
+    statuses = []
+    for i in range(10):
+        cfg, layout = resolve("deepspeed", "tiny", 2, sets)
+        record = run(cfg, layout, results=tmp_path / f"r{i}.jsonl", wandb_mode="disabled", quiet=True)
+        statuses.append((record["status"], record["reason"]))
+    assert statuses == [("ok", None)] * 10
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"zero_stage": 4}, "zero_stage=4"),
+    ({"zero_stage": -1}, "zero_stage=-1"),
+    ({"zero_stage": "three"}, "zero_stage"),
+    ({"persistence_threshold": -5}, "persistence_threshold"),
+    ({"global_batch_size": 6}, "not a multiple of micro batch 2 x dp 2"),
+])
+def test_bad_options_are_config_errors_before_launch(monkeypatch, sets, message):
+    import subprocess
+
+    def no_launch(*a, **k):
+        raise AssertionError("a process was launched")
+    monkeypatch.setattr(subprocess, "Popen", no_launch)
+    with pytest.raises(ConfigError, match=message) as info:
+        resolve("deepspeed", "tiny", 2, sets)
+    assert "\n" not in str(info.value)
+
+
+def test_layout_and_defaults():
+    cfg, layout = resolve("deepspeed", "tiny", 2, {})
+    assert cfg.options["zero_stage"] == 1
+    assert layout.label == "zero1-dp2" and layout.num_devices == 2
+    assert layout.details == {"zero_stage": 1, "dp": 2}
+    assert layout.module_dp == {"encoder": 2, "backbone": 2, "generator": 2}
+    _, layout = resolve("deepspeed", "tiny", 4, {"zero_stage": 3})
+    assert layout.label == "zero3-dp4" and layout.details == {"zero_stage": 3, "dp": 4}
+
+
+def test_layout_does_not_import_deepspeed():
+    import subprocess
+    import sys
+    code = ("import sys; from systems.deepspeed import DeepSpeedSystem; from workloads.presets import get_workload; "
+            "DeepSpeedSystem().layout({'zero_stage': 2}, 2, get_workload('tiny'), 8, 2); "
+            "assert 'deepspeed' not in sys.modules, 'layout imported deepspeed'")
+    subprocess.run([sys.executable, "-c", code], check=True)
