@@ -33,7 +33,7 @@ def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, lo
         bars(ax, df, "group", "value", "system", order, hue_order, palette,
              annotate=annotate, skip_annotate=(BASELINE,))
         positive = df["value"][df["value"] > 0]
-        log = log_ok and len(positive) and positive.max() / positive.min() > 30
+        log = log_ok and len(positive) and positive.max() / positive.min() > 5
         if log:
             ax.set_yscale("log")
         ax.set_title(mode_title(mode))

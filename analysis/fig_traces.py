@@ -125,7 +125,9 @@ def timeline(data):
     if last.empty:
         raise NoData("no measured step with a per-rank timeline or rank_busy_s/rank_idle_s")
     (workload, profile), runs = _pick_runs(last)
-    runs = runs.drop_duplicates("system")
+    # The module pipeline's bubbles are the interesting ones: prefer non-colocated layouts.
+    colocated = runs["layout_label"].astype(str).str.startswith("colocated")
+    runs = runs.assign(_colocated=colocated).sort_values("_colocated", kind="stable").drop_duplicates("system")
     systems = ordered(runs["system"], SYSTEM_ORDER)[:3]
     by_system = runs.set_index("system")
     heights = [len({e["rank"] for e in by_system.loc[s, "timeline"]}) if detailed
