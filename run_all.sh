@@ -8,12 +8,9 @@ cd "$(dirname "$0")"
 scripts/setup_env.sh
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 py=.venv/bin/python
+# The profile first: plan=auto and the simulator's CPU model read it.
+[ -f results/profiles/cpu-small.json ] || $py -m bench profile --workload small
 $py -m bench sweep "${1:-bench/sweeps/default.toml}"
-if $py -c "import bench.profile" 2>/dev/null; then
-  $py -m bench profile --workload small
-fi
-if $py -c "import bench.validate" 2>/dev/null; then
-  $py -m bench validate
-fi
+$py -m bench validate
 $py -m analysis report
 echo "report: results/report/report.md"

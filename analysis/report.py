@@ -52,6 +52,50 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     })
 
 
+def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Simulated records tagged experiment=validation (bench/validate.py) beside their measured
+    partners (tags.measured_run_id): the newest simulation of each measured run."""
+    cols = ["system", "workload", "layout", "nproc", "measured iteration s", "simulated s", "error %", "measured in"]
+    need = {"tags.measured_run_id", "metrics.iteration_time_s"}
+    if runs.empty or not need <= set(runs.columns):
+        return pd.DataFrame(columns=cols)
+    sim = runs[(runs["mode"] == "simulated") & (runs["experiment"] == "validation")
+               & runs["tags.measured_run_id"].notna() & (runs["status"] == "ok")]
+    sim = sim.sort_values("timestamp").drop_duplicates("tags.measured_run_id", keep="last")
+    meas = runs[(runs["mode"] == "measured") & (runs["status"] == "ok")].drop_duplicates("run_id").set_index("run_id")
+    rows = []
+    for _, s in sim.iterrows():
+        mid = s["tags.measured_run_id"]
+        if mid not in meas.index:
+            continue
+        m = meas.loc[mid]
+        measured, simulated = float(m["step_time_s"]), float(s["metrics.iteration_time_s"])
+        rows.append({"system": m["system"], "workload": m["workload"], "layout": m["layout_label"],
+                     "nproc": int(m["num_devices"]), "measured iteration s": measured, "simulated s": simulated,
+                     "error %": 100.0 * (simulated - measured) / measured,
+                     "measured in": str(m["source"]).split(":")[0]})
+    df = pd.DataFrame(rows, columns=cols)
+    return df.sort_values(["workload", "system", "nproc", "layout"], key=sort_key).reset_index(drop=True)
+
+
+def validation_section(runs: pd.DataFrame) -> list[str]:
+    md = ["## Simulator validation", ""]
+    table = validation_table(runs)
+    if table.empty:
+        return md + ["No validation yet: run `python -m bench validate` after measured CPU runs.", ""]
+    err = table["error %"].abs()
+    shown = table.assign(**{"measured iteration s": table["measured iteration s"].map(_num(".4g")),
+                            "simulated s": table["simulated s"].map(_num(".4g")),
+                            "error %": table["error %"].map(_num("+.1f"))})
+    md += ["Each measured CPU run simulated in the same configuration on a CPU cluster built from this "
+           "machine's profile (`python -m bench profile`, `python -m bench validate`); error = (simulated - "
+           "measured) / measured.", ""]
+    md += _table(shown)
+    md += ["", f"{len(table)} runs: mean |error| {err.mean():.1f}%, median {err.median():.1f}%, max "
+               f"{err.max():.1f}%; {int((err <= 10).sum())}/{len(table)} within 10%.", ""]
+    return md
+
+
 def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
     runs = data.runs
     counts = runs["status"].value_counts().to_dict() if len(runs) else {}
@@ -75,6 +119,7 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
             md += [f"![{TITLES.get(o.name, o.name)}]({o.path.name})", "", o.caption, ""]
         else:
             md += [f"*Skipped: {o.skipped}.* ({o.caption})", ""]
+    md += validation_section(runs)
     md += ["## Failed and skipped runs", ""]
     bad = runs[runs["status"] != "ok"].sort_values(ORDER, key=sort_key)
     if bad.empty:

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 def _extra_commands():
     """Subcommands that live in their own modules (profiler, simulator)."""
     import importlib
-    for name in ("bench.profile", "bench.simulate_cli"):
+    for name in ("bench.profile", "bench.simulate_cli", "bench.validate"):
         try:
             yield name, importlib.import_module(name)
         except ModuleNotFoundError as e:

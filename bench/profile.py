@@ -4,15 +4,16 @@ Method (CPU or one GPU, ONE process, a gloo world of 1): each module (encoder, b
 generator) is built at TP = 1 exactly as the trainers build it (megatron-core layers wrapped
 in megatron DDP, canonical weights) and its forward and backward are timed, separately, on
 real preprocessed microbatches of the workload's dataset (the same shards the runs read),
-each microbatch `repeats` times (the fastest: other processes on a shared CPU only ever slow a
-run down, so the minimum is this hardware's own speed). Per-layer times are the module's time divided by
+each microbatch `repeats` times (median: a training step's typical speed, robust to one
+interrupted repeat; profile on a quiet machine, the load average is recorded). Per-layer times are the module's time divided by
 its layers (so they include the module's embeddings / projector / logits). Model FLOPs
 come from workloads.flops; achieved FLOP/s = FLOPs / (forward + backward); efficiency =
 achieved / peak, with the CPU peak measured here by bench.metrics.measure_cpu_matmul_flops
 (the same measurement the runs record) and a GPU's from bench.metrics.PEAK_FLOPS.
 
 Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_profile):
-  * a per-call fit time = overhead + FLOPs / rate of each module's forward + backward;
+  * a fit time = overhead x calls + FLOPs / rate of each module's forward + backward (a call:
+    one image-resolution group, which the encoder / generator run as one dense batch);
   * memory: the RSS growth over a forward (activations held for backward) on CPU,
     torch.cuda.max_memory_allocated on a GPU;
   * the optimizer: megatron's distributed Adam step per module, fitted as a + b x params;
@@ -48,7 +49,7 @@ SCHEMA = "disttrain-bench-profile/1"
 MODULES = ("encoder", "backbone", "generator")
 # On CPU only CPU-sized workloads: a paper-scale backbone does not fit in this machine's memory.
 CPU_MAX_PARAMS = 500e6
-COMM_SIZES = (256, 16 << 10, 256 << 10, 1 << 20, 4 << 20)   # bytes
+COMM_SIZES = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)   # bytes (64 MiB: a whole small-model buffer)
 
 
 # ------------------------------------------------------------------------------ paths
@@ -228,7 +229,7 @@ def _time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer):
     from megatron.core.process_groups_config import ProcessGroupCollection
     pg = ProcessGroupCollection.use_mpu_process_groups()
     built = {n: _build(n, w, pg, dtype, device, seed) for n in MODULES}
-    out = {n: {"fwd": [], "bwd": [], "mem": [], "flops": [], "tokens": []} for n in MODULES}
+    out = {n: {"fwd": [], "bwd": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
     mbs_dev = [mb.to(device) for mb in mbs_list]
 
     def run(mb, record, memory=None):
@@ -277,11 +278,13 @@ def _time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer):
             run(mb, rec)
         mb_metas = metas[k * mbs:(k + 1) * mbs]
         for n in MODULES:
-            out[n]["fwd"].append(min(rec[n]["fwd"]))
-            out[n]["bwd"].append(min(rec[n]["bwd"]))
+            out[n]["fwd"].append(statistics.median(rec[n]["fwd"]))
+            out[n]["bwd"].append(statistics.median(rec[n]["bwd"]))
             out[n]["mem"].append(mem[n])
             out[n]["flops"].append(_module_flops(w, n, mb_metas))
             out[n]["tokens"].append(_tokens(w, n, mb_metas))
+            out[n]["calls"].append({"encoder": len(mb.image_groups), "backbone": 1,
+                                    "generator": len(mb.latent_groups)}[n])
     params = {n: sum(p.numel() for p in built[n][0].parameters()) for n in MODULES}
     return out, params, built
 
@@ -316,10 +319,23 @@ def _time_optimizer(built, repeats, timer) -> dict:
 def _module_summary(name, rec, layers, peak) -> dict:
     fwd, bwd = np.array(rec["fwd"]), np.array(rec["bwd"])
     flops = np.array(rec["flops"])
+    calls = np.array(rec["calls"], dtype=np.float64)
     live = flops > 0
     tot_t, tot_f = float((fwd + bwd)[live].sum()), float(flops[live].sum())
     achieved = tot_f / tot_t if tot_t > 0 else 0.0
-    a, b, r2 = fit_affine(flops[live], (fwd + bwd)[live]) if live.any() else (0.0, 0.0, 1.0)
+    # time = overhead x calls + FLOPs / rate (one call per image-resolution group; the backbone's
+    # work per microbatch is constant, so all of its time goes to the rate)
+    y = (fwd + bwd)[live]
+    a, b = (fit_linear_nonneg(np.c_[calls[live], flops[live]], y) if name != "backbone" and live.sum() >= 2
+            else (0.0, 1.0 / achieved if achieved else 0.0))
+    if b > 0 and 1.0 / b > 1.5 * peak and live.sum() >= 2:
+        # FLOPs explain almost nothing (tiny layers): an implausible rate; keep the peak as rate and
+        # give the rest to the per-call overhead
+        b = 1.0 / peak
+        a = max(0.0, float(((y - b * flops[live]) * calls[live]).sum() / (calls[live] ** 2).sum()))
+    pred = a * calls[live] + b * flops[live]
+    tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((pred - y) ** 2).sum()) / tot if tot > 0 else 1.0
     rate = 1.0 / b if b > 0 else achieved
     n = max(int(live.sum()), 1)
     return {
@@ -331,10 +347,12 @@ def _module_summary(name, rec, layers, peak) -> dict:
         "flops_per_microbatch": tot_f / n, "tokens_per_microbatch": float(np.array(rec["tokens"])[live].mean())
         if live.any() else 0.0,
         "achieved_flops": achieved, "efficiency": achieved / peak if peak else 0.0,
-        "overhead_s": a, "rate_flops": rate, "fit_r2": r2,
+        "overhead_s": float(a), "rate_flops": float(rate), "fit_r2": float(r2),
+        "fit": "forward + backward seconds = overhead_s x calls + FLOPs / rate_flops (calls: image-resolution "
+               "groups the module runs as dense batches; least squares, non-negative)",
         "activation_bytes": int(max(rec["mem"])) if rec["mem"] else 0,
         "activation_bytes_per_layer": int(max(rec["mem"]) / layers) if rec["mem"] else 0,
-        "points": [[float(f), float(x), float(y)] for f, x, y in zip(flops, fwd, bwd)],
+        "points": [[float(f), float(x), float(y), int(c)] for f, x, y, c in zip(flops, fwd, bwd, calls)],
     }
 
 
@@ -345,16 +363,23 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    res = {"p2p": [], "allreduce": []}
+    res = {"p2p": [], "allreduce": [], "reduce_scatter": [], "all_gather": []}
     for size in sizes:
-        t = torch.zeros(max(size // 4, 1), dtype=torch.float32)
-        for kind in ("p2p", "allreduce"):
+        t = torch.zeros(max(size // 4, 2), dtype=torch.float32)
+        half = torch.zeros(t.numel() // 2, dtype=torch.float32)
+        t = t[:2 * half.numel()].contiguous()
+        n_iter = iters if size < (4 << 20) else max(3, iters // 6)
+        for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
             times = []
-            for i in range(iters + 2):
+            for i in range(n_iter + 2):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if kind == "allreduce":
                     dist.all_reduce(t)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_tensor(half, t)
+                elif kind == "all_gather":
+                    dist.all_gather_into_tensor(t, half)
                 elif rank == 0:
                     dist.send(t, 1)
                     dist.recv(t, 1)
@@ -370,7 +395,7 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
     dist.destroy_process_group()
 
 
-def measure_comm(iters: int = 10, sizes=COMM_SIZES, timeout: float = 60.0) -> dict:
+def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> dict:
     """gloo between 2 local processes: p2p one-way latency/bandwidth, 2-rank all-reduce."""
     import tempfile
     import torch.multiprocessing as mp
@@ -380,22 +405,49 @@ def measure_comm(iters: int = 10, sizes=COMM_SIZES, timeout: float = 60.0) -> di
         ctx = mp.start_processes(_comm_worker, args=(_free_port(), list(sizes), iters, str(out)), nprocs=2,
                                  join=False, start_method="spawn")
         deadline = time.time() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise RuntimeError("gloo communication measurement timed out")
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.time() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise RuntimeError("gloo communication measurement timed out")
+        except mp.ProcessException as e:
+            raise RuntimeError(f"gloo communication measurement failed: {e}") from None
         raw = json.loads(out.read_text())
-    p2p_a, p2p_b, _ = fit_affine([s for s, _ in raw["p2p"]], [t for _, t in raw["p2p"]])
-    ar_a, ar_b, _ = fit_affine([s for s, _ in raw["allreduce"]], [t for _, t in raw["allreduce"]])
+    def fit(points):
+        """(latency: median time of the messages <= 4 KiB, seconds per byte: least-squares slope
+        over the messages >= 1 MiB); separate ranges, so neither term swamps the other."""
+        small = [t for n, t in points if n <= 4096]
+        big = [(n, t) for n, t in points if n >= (1 << 20)]
+        lat = float(statistics.median(small)) if small else 0.0
+        if len(big) >= 2:
+            _, slope, _ = fit_affine([n for n, _ in big], [t for _, t in big])
+        elif big:
+            slope = max(big[0][1] - lat, 0.0) / big[0][0]
+        else:
+            slope = 0.0
+        return lat, max(slope, 1e-15)          # bandwidth at most 1 PB/s: finite in JSON
+    p2p_a, p2p_b = fit(raw["p2p"])
+    ar_a, ar_b = fit(raw["allreduce"])
+    shard = {}
+    for kind in ("reduce_scatter", "all_gather"):
+        # ring reduce-scatter / all-gather of `bytes` in all over n = 2 ranks:
+        # (n-1)/n x bytes / bw + (n-1) x latency = bytes / (2 bw) + latency
+        a, b = fit(raw[kind])
+        shard[kind] = {"latency_s": a, "bandwidth_Bps": 0.5 / b, "points": raw[kind],
+                       "method": f"2-rank {kind}_tensor of the whole buffer, fitted as bytes / (2 bw) + latency "
+                                 f"(ring model); megatron's distributed optimizer syncs gradients and parameters "
+                                 f"with these"}
     # 2-rank ring all-reduce: 2 (n-1)/n x bytes / bw + 2 (n-1) x latency = bytes / bw + 2 latency
     return {
         "backend": "gloo", "processes": 2, "iterations": iters,
-        "p2p": {"latency_s": p2p_a, "bandwidth_Bps": 1.0 / p2p_b if p2p_b > 0 else float("inf"),
-                "points": raw["p2p"], "method": "ping-pong send/recv, half the round trip"},
-        "allreduce": {"latency_s": ar_a / 2, "bandwidth_Bps": 1.0 / ar_b if ar_b > 0 else float("inf"),
+        "p2p": {"latency_s": p2p_a, "bandwidth_Bps": 1.0 / p2p_b,
+                "points": raw["p2p"], "method": "ping-pong send/recv, half the round trip; latency: median of the "
+                                                "messages <= 4 KiB, bandwidth: slope over those >= 1 MiB"},
+        "allreduce": {"latency_s": ar_a / 2, "bandwidth_Bps": 1.0 / ar_b,
                       "points": raw["allreduce"],
                       "method": "2-rank all_reduce fitted as bytes / bw + 2 x latency (ring model)"},
+        **shard,
     }
 
 
@@ -509,6 +561,7 @@ def derive_profile(workload: str, spec: str, efficiency_from: Path | str | None 
     from bench.metrics import PEAK_FLOPS
     from bench.sim.cluster import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE
     from bench.sim.orchestrator import work_stats
+    from workloads.flops import backbone_sample_flops
     from workloads.presets import get_workload
     if spec not in PEAK_FLOPS:
         raise ValueError(f"unknown --spec {spec!r}; choose one of {sorted(PEAK_FLOPS)}")
@@ -526,7 +579,7 @@ def derive_profile(workload: str, spec: str, efficiency_from: Path | str | None 
         derived_from = {"default_efficiency": "bench.sim.cluster.DEFAULT_EFFICIENCY"}
     st = work_stats(w, w.global_batch_size, w.micro_batch_size)
     per_sample = {"encoder": st.flops["encoder"], "generator": st.flops["generator"],
-                  "backbone": float(__import__("workloads.flops", fromlist=["x"]).backbone_sample_flops(w))}
+                  "backbone": float(backbone_sample_flops(w))}
     modules = {}
     for n in MODULES:
         layers = getattr(w, n).num_layers

@@ -65,7 +65,60 @@ def _key(config: dict) -> str:
     return json.dumps(config, sort_keys=True)
 
 
+def run_simulations(entries: list[dict], results: Path) -> int:
+    """[[simulate]] entries: `python -m bench simulate` in a sweep (bench/simulate_cli.py).
+
+        [[simulate]]                   # list values expand, as in [[run]]
+        system = ["megatron", "disttrain"]
+        workload = "mllm-72b"
+        gpus = 1172
+        cluster = "h100"               # or "cpu", or "cpu-profile results/profiles/cpu-small.json"
+        layout = "auto"
+        sets = { num_batches = 1 }
+
+    Every entry is validated before anything is simulated; an entry already simulated by a
+    sweep (same entry, tag sweep_entry) is skipped. Returns the number of skipped (infeasible)."""
+    import argparse
+    from bench.simulate_cli import InputError, run as simulate_one, summary
+    planned = []
+    for i, entry in enumerate(entries):
+        for one in expand(entry):
+            key = json.dumps(one, sort_keys=True, default=str)
+            args = argparse.Namespace(
+                system=str(one.get("system", "")), workload=str(one.get("workload", "")),
+                gpus=int(one.get("gpus", 0)), cluster=str(one.get("cluster", "h100")).split(),
+                layout=str(one.get("layout", "auto")), sets=[f"{k}={v}" for k, v in one["sets"].items()],
+                tags=[f"{k}={v}" for k, v in one.get("tags", {}).items()])
+            planned.append((i, args, key))
+    done = set()
+    if results.exists():
+        done = {r["tags"].get("sweep_entry") for r in records.read_records(results) if r["mode"] == "simulated"}
+    out = []
+    for i, args, key in planned:                 # validate all before simulating any
+        if key in done:
+            continue
+        try:
+            record = simulate_one(args)
+            record["tags"]["sweep_entry"] = key
+            out.append(record)
+        except InputError as e:
+            raise ConfigError(f"[[simulate]] #{i + 1} ({args.system}): {e}") from None
+    for record in out:
+        records.append_record(record, results)
+        print(summary(record), flush=True)
+    print(f"[sweep] simulated {len(out)} ({len(planned) - len(out)} already recorded)", flush=True)
+    return sum(r["status"] != "ok" for r in out)
+
+
 def run_sweep(path: Path, results: Path, wandb_mode: str | None = None) -> int:
+    try:
+        spec = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read sweep {path}: {e}") from None
+    if "simulate" in spec:
+        run_simulations(spec["simulate"], results)
+        if "run" not in spec:
+            return 0
     planned = load_sweep(path)
     done = set()
     for file in results.parent.glob("*.jsonl"):

@@ -26,6 +26,20 @@ class DistTrainSystem(SystemAdapter):
             raise ConfigError(f"placement={options['placement']!r}; choose disaggregated or colocated")
         if not options["plan"]:
             raise ConfigError("disttrain needs a plan: --set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP")
+        # ---- plan=auto (bench/sim/auto.py): the orchestrator's plan for this machine --------------
+        auto = None
+        if options["plan"] == "auto":
+            if options["placement"] == "colocated":
+                raise ConfigError("plan=auto chooses disaggregated plans; drop placement=colocated")
+            from bench.sim.auto import auto_plan
+            try:
+                text, auto = auto_plan(workload, nproc, global_batch_size, micro_batch_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            # The resolved plan replaces "auto" in the run's options, so the workers (which call
+            # layout() again and parse options["plan"] in setup) run exactly this plan.
+            options["plan"] = text
+        # ---- end plan=auto --------------------------------------------------------------------------
         plan = parse_plan(options["plan"], nproc, options["placement"] == "colocated")
         validate_plan(plan, workload, global_batch_size, micro_batch_size)
         if plan.colocated and plan.modules["backbone"].pp > 1:
@@ -34,6 +48,8 @@ class DistTrainSystem(SystemAdapter):
                    "canonical_groups": plan.canonical_groups,
                    "modules": {n: {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ranks": list(p.ranks)}
                                for n, p in plan.modules.items()}}
+        if auto:                                       # plan=auto: {"plan_choice": "auto", "auto": {...}}
+            details.update(auto)
         return Layout(label=plan.label(), num_devices=nproc, details=details,
                       module_dp={n: p.dp for n, p in plan.modules.items()})
 

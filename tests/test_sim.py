@@ -208,3 +208,159 @@ def test_best_megatron_layout_is_best_of_all_layouts():
                 if tp * pp * dp <= 16:
                     for rc in (False, True):
                         assert best["estimate_s"] <= estimate_megatron(w, st, H100, tp, pp, dp, rc) + 1e-12
+
+
+# ---------------------------------------------------------------- measured-hardware (CPU) extensions
+
+def _cpu_cluster(processes=4, cores=2, model="shared"):
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+    return cluster_from_profile(synthetic_profile(), processes=processes, cores=cores, oversubscription=model)
+
+
+def test_cpu_cluster_costs_overhead_slowdown_and_fp32():
+    cl = _cpu_cluster(processes=4, cores=2, model="uniform")
+    f, b = C.compute_fb(1e10, "backbone", 1, cl)
+    assert f + b == pytest.approx(2.0 * (1e10 / 1e10 + 0.002))          # (FLOPs / rate + overhead) x 4/2
+    assert C.compute_fb(0.0, "encoder", 1, cl)[0] == 0.0                 # no images: no call, no overhead
+    assert C.p2p_time(1000, 10, 1, cl, False) == pytest.approx(1000 * 10 * 4 / 2e9 + 1e-4)
+    assert C.optimizer_time(1e6, cl) == pytest.approx(2.0 * (0.001 + 1e-3))
+    gpu = CLUSTERS["h100"]                                               # the GPU model is untouched
+    assert C.compute_fb(1e10, "backbone", 1, gpu)[0] == pytest.approx(1e10 / (989e12 * 0.6) / 3)
+    assert gpu.compute_slowdown == 1.0 and gpu.value_bytes == 2 and not gpu.host
+
+
+def test_runtime_data_order_and_dataset_steps():
+    cl = _cpu_cluster(processes=2)
+    kw = dict(global_batch_size=8, micro_batch_size=2, seed=1234, num_samples=64)
+    a = simulate("tiny", "megatron", {"tp": 1, "pp": 1, "dp": 2}, 2, cl, steps=[2, 3], data_order="none", **kw)
+    b = simulate("tiny", "megatron", {"tp": 1, "pp": 1, "dp": 2}, 2, cl, steps=[2, 3], data_order="none", **kw)
+    assert a["iteration_times_s"] == b["iteration_times_s"] and len(a["iteration_times_s"]) == 2
+    wrapped = simulate("tiny", "megatron", {"tp": 1, "pp": 1, "dp": 2}, 2, cl, steps=[10], data_order="none", **kw)
+    same = simulate("tiny", "megatron", {"tp": 1, "pp": 1, "dp": 2}, 2, cl, steps=[2], data_order="none", **kw)
+    assert wrapped["iteration_time_s"] == pytest.approx(same["iteration_time_s"])   # step 10 = samples 80.. = 16..
+
+
+def test_colocated_disttrain_simulates():
+    cl = _cpu_cluster(processes=2)
+    lay = {"encoder": {"tp": 1, "dp": 2}, "backbone": {"tp": 2, "pp": 1, "dp": 1}, "generator": {"tp": 1, "dp": 2},
+           "placement": "colocated"}
+    r = simulate("tiny", "disttrain", lay, 2, cl, num_batches=1, data_order="none")
+    assert r["gpus_used"] == 2 and r["iteration_time_s"] > 0 and r["label"].startswith("colocated-")
+    with pytest.raises(ValueError, match="colocated"):
+        check_layout(get_workload("tiny"), "disttrain", {**lay, "encoder": {"tp": 1, "dp": 1}}, 2, 8, 2)
+
+
+# ---------------------------------------------------------------- plan=auto
+
+@pytest.mark.parametrize("workload", ["tiny", "small"])
+def test_plan_auto_valid_and_deterministic(workload, tmp_path):
+    import time
+    from bench.sim.auto import auto_plan
+    from systems._disttrain_plan import parse_plan, validate_plan
+    w = get_workload(workload)
+    for nproc in range(3, 9):
+        t0 = time.perf_counter()
+        text, details = auto_plan(w, nproc, w.global_batch_size, w.micro_batch_size, profile_dir=tmp_path)
+        assert time.perf_counter() - t0 < 2.0
+        plan = parse_plan(text, nproc, False)                 # sizes add up to nproc exactly
+        validate_plan(plan, w, w.global_batch_size, w.micro_batch_size)
+        assert details["plan_choice"] == "auto" and details["auto"]["profile"] is None
+        again, _ = auto_plan(w, nproc, w.global_batch_size, w.micro_batch_size, profile_dir=tmp_path)
+        assert again == text
+
+
+def test_plan_auto_through_the_adapter():
+    from bench.config import resolve
+    from systems.base import ConfigError
+    cfg, layout = resolve("disttrain", "tiny", 4, {"plan": "auto"})
+    assert cfg.options["plan"] != "auto" and layout.details["plan_choice"] == "auto"
+    assert layout.label == cfg.options["plan"]
+    with pytest.raises(ConfigError, match="at least 3"):
+        resolve("disttrain", "tiny", 2, {"plan": "auto"})
+
+
+def test_plan_auto_uses_a_profile(tmp_path):
+    from bench.sim.auto import auto_plan
+    from tests.test_validate import synthetic_profile
+    (tmp_path / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
+    w = get_workload("tiny")
+    _, details = auto_plan(w, 5, 8, 2, profile_dir=tmp_path)
+    assert details["auto"]["profile"] == str(tmp_path / "cpu-tiny.json")
+
+
+# ---------------------------------------------------------------- python -m bench simulate
+
+def _cli(*args, results):
+    import subprocess
+    import sys
+    from pathlib import Path
+    return subprocess.run([sys.executable, "-m", "bench", "simulate", *args, "--results", str(results)],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_cli_appends_a_simulated_record(tmp_path):
+    from bench.records import read_records
+    results = tmp_path / "r.jsonl"
+    p = _cli("--system", "megatron", "--workload", "mllm-9b", "--gpus", "16", "--layout", "tp2-pp2-dp4",
+             "--set", "global_batch_size=32", "--set", "num_batches=1", results=results)
+    assert p.returncode == 0, p.stderr
+    assert "(simulated)" in p.stdout and len(p.stdout.strip().splitlines()) == 1
+    (r,) = read_records(results)
+    assert r["mode"] == "simulated" and r["assumptions"]["gpu"] == "H100-SXM" and r["layout"]["label"] == "tp2-pp2-dp4"
+
+
+@pytest.mark.parametrize("args,message", [          # in-process: bench.__main__.main, as the CLI runs it
+    (["--system", "nosuch", "--workload", "tiny", "--gpus", "4"], "unknown system"),
+    (["--system", "megatron", "--workload", "huge", "--gpus", "4"], "unknown workload"),
+    (["--system", "megatron", "--workload", "tiny", "--gpus", "0"], "--gpus must be >= 1"),
+    (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--layout", "tp3-pp1-dp1"], "--layout"),
+    (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--cluster", "b200"], "--cluster"),
+    (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--set", "nope=1"], "unknown --set key"),
+])
+def test_simulate_cli_bad_input(tmp_path, capsys, args, message):
+    from bench.__main__ import main
+    results = tmp_path / "r.jsonl"
+    assert main(["simulate", *args, "--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert not results.exists()
+
+
+def test_shared_cores_schedule():
+    from bench.sim.schedule import Chain, shared_1f1b
+    rng = np.random.default_rng(0)
+    for _ in range(10):                                   # enough cores: exactly one_f_one_b
+        m, p = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        f, b, links = rng.random((m, p)), rng.random((m, p)), list(rng.random(p - 1) * 0.2)
+        assert shared_1f1b([Chain(f, b, links)], cores=64)[0] == pytest.approx(one_f_one_b(f, b, links).iteration_time)
+    one = lambda x: Chain(np.array([[x / 3]]), np.array([[2 * x / 3]]))
+    assert shared_1f1b([one(3.0), one(3.0)], cores=1)[0] == pytest.approx(6.0)     # one core: the work adds up
+    t, ends = shared_1f1b([one(3.0), one(1.0), one(1.0)], cores=2)                # 3 on 2: 2/3 each until 1.5
+    assert ends[1] == pytest.approx(1.5) and t == pytest.approx(1.5 + 2.0)
+
+
+def test_shared_vs_uniform_oversubscription():
+    # 4 processes on 2 cores: a module pipeline whose ranks mostly wait is barely slowed when only
+    # busy processes share the cores, but twice as slow under the uniform min(1, C/P) rule
+    lay = {"encoder": {"tp": 1, "dp": 2}, "backbone": {"tp": 1, "pp": 1, "dp": 1}, "generator": {"tp": 1, "dp": 1}}
+    kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
+    shared = simulate("small", "disttrain", lay, 4, _cpu_cluster(4, 2, "shared"), **kw)["iteration_time_s"]
+    uniform = simulate("small", "disttrain", lay, 4, _cpu_cluster(4, 2, "uniform"), **kw)["iteration_time_s"]
+    alone = simulate("small", "disttrain", lay, 4, _cpu_cluster(4, 64, "shared"), **kw)["iteration_time_s"]
+    assert alone <= shared < uniform
+
+
+def test_sweep_simulate_entries(tmp_path):
+    from bench.records import read_records
+    from bench.sweep import run_sweep
+    toml = tmp_path / "s.toml"
+    toml.write_text('[[simulate]]\nsystem = ["megatron", "deepspeed"]\nworkload = "mllm-9b"\ngpus = 16\n'
+                    'sets = { global_batch_size = 32, num_batches = 1 }\n')
+    results = tmp_path / "r.jsonl"
+    assert run_sweep(toml, results) == 0
+    recs = read_records(results)
+    assert [r["system"] for r in recs] == ["megatron", "deepspeed"] and all(r["mode"] == "simulated" for r in recs)
+    run_sweep(toml, results)                       # already simulated: nothing new
+    assert len(read_records(results)) == 2

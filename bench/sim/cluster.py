@@ -65,8 +65,13 @@ class Cluster:
     # per rank that preprocesses in the trainer, "collectives_per_step" world collectives (the
     # harness's barriers and loss reductions). Empty: not modelled (the GPU clusters).
     host: dict = field(default_factory=dict)
-    # Compute (and host work) runs this many times slower than measured: processes sharing cores.
+    # Processes sharing CPU cores (bench.sim.cluster.with_slowdown): compute runs `compute_slowdown`
+    # times slower than profiled ("uniform" model), or, with `shared_cores`, the schedule shares
+    # that many cores among the processes busy at each instant ("shared" model; then
+    # compute_slowdown = 1); host work (data, optimizer: every process busy) `host_slowdown` slower.
     compute_slowdown: float = 1.0
+    host_slowdown: float = 1.0
+    shared_cores: float | None = None
     slowdown_source: str = "none: one device per rank"
 
     def __post_init__(self):
@@ -77,8 +82,8 @@ class Cluster:
         top = 1.0 if self.peak_flops_measured is None else 4.0
         if missing or not all(0 < v <= top for v in self.efficiency.values()):
             raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
-        if self.compute_slowdown < 1 or self.value_bytes < 1:
-            raise ValueError("compute_slowdown must be >= 1 and value_bytes >= 1")
+        if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1:
+            raise ValueError("compute_slowdown and host_slowdown must be >= 1, value_bytes >= 1")
 
     @property
     def peak_flops(self) -> float:
@@ -100,13 +105,28 @@ class Cluster:
         """A copy whose per-module efficiency comes from a profile (e.g. measured on one GPU)."""
         return replace(self, efficiency={**self.efficiency, **efficiency}, efficiency_source=source)
 
-    def with_slowdown(self, processes: int, cores: int | None = None) -> "Cluster":
-        """Processes sharing `cores` CPU cores: each gets min(1, cores / processes) of a core."""
+    def with_slowdown(self, processes: int, cores: int | None = None, model: str = "shared") -> "Cluster":
+        """`processes` sharing `cores` CPU cores.
+
+        uniform: each process gets min(1, cores / processes) of a core all the time, so all
+        compute, preprocessing and optimizer work runs max(1, processes / cores) times slower.
+        shared: the same rule applied at each instant to the processes that are busy (a rank
+        blocked in a gloo receive uses no core): with k busy processes each gets
+        min(1, cores / k) (bench.sim.schedule.shared_1f1b); preprocessing and the optimizer step,
+        where every process is busy at once, run max(1, processes / cores) times slower.
+        """
+        if model not in ("shared", "uniform"):
+            raise ValueError(f"oversubscription model {model!r}; choose shared or uniform")
         cores = cores or os.cpu_count() or 1
         f = max(1.0, processes / cores)
-        return replace(self, compute_slowdown=f, slowdown_source=(
-            f"{processes} processes on {cores} cores: each gets min(1, {cores}/{processes}) of a core, so compute, "
-            f"data preprocessing and the optimizer step run {f:.3g}x slower than profiled on one core"))
+        if model == "uniform":
+            return replace(self, compute_slowdown=f, host_slowdown=f, shared_cores=None, slowdown_source=(
+                f"uniform: {processes} processes on {cores} cores, each gets min(1, {cores}/{processes}) of a core, "
+                f"so compute, data preprocessing and the optimizer step run {f:.3g}x slower than profiled"))
+        return replace(self, compute_slowdown=1.0, host_slowdown=f, shared_cores=float(cores), slowdown_source=(
+            f"shared: {processes} processes on {cores} cores; at each instant the k busy processes each get "
+            f"min(1, {cores}/k) of a core (processor sharing in the 1F1B schedule); data preprocessing and the "
+            f"optimizer step (all processes busy, min(1, {cores}/{processes})) run {f:.3g}x slower than profiled"))
 
     def assumptions(self) -> dict:
         out = asdict(self)
@@ -151,7 +171,7 @@ CPU_DEFAULTS = {
 
 
 def cpu_cluster(processes: int, cores: int | None = None, profile: dict | None = None,
-                oversubscription: bool = True) -> Cluster:
+                oversubscription: str | None = "shared") -> Cluster:
     """This CPU as a cluster of `processes` gloo ranks on one node, from a profile (or CPU_DEFAULTS)."""
     if profile is not None:
         return cluster_from_profile(profile, processes=processes, cores=cores, oversubscription=oversubscription)
@@ -165,11 +185,11 @@ def cpu_cluster(processes: int, cores: int | None = None, profile: dict | None =
                 memory_source="this machine's physical memory", efficiency=dict(d["efficiency"]),
                 efficiency_source=d["source"], peak_flops_measured=d["peak_flops"],
                 peak_flops_measured_source=d["source"], value_bytes=4, overhead_s=dict(d["overhead_s"]))
-    return c.with_slowdown(processes, cores) if oversubscription else c
+    return c.with_slowdown(processes, cores, oversubscription) if oversubscription else c
 
 
 def cluster_from_profile(profile: dict, processes: int | None = None, cores: int | None = None,
-                         oversubscription: bool = True) -> Cluster:
+                         oversubscription: str | None = "shared") -> Cluster:
     """A cluster from a bench/profile.py profile.
 
     Derived (GPU spec) profiles: that GPU's datasheet cluster with the profile's per-module
@@ -177,8 +197,8 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
     (FLOP/s, as efficiency x the measured peak) and per-call overhead from the profile's fit;
     gloo all-reduce (every collective) and send/recv (every pipeline link) latency and
     bandwidth as measured;
-    fp32 on the wire; host costs (optimizer, data, harness collectives) as measured; and,
-    with `oversubscription`, compute slowed by processes / cores when they exceed the cores.
+    fp32 on the wire; host costs (optimizer, data, harness collectives) as measured; and
+    `oversubscription` ("shared", "uniform" or None) modelling processes sharing the cores.
     """
     mods = profile["modules"]
     src = profile.get("derived_from") or {}
@@ -220,5 +240,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         value_bytes=2 if profile.get("dtype") == "bf16" else 4,
         overhead_s={n: float(mods[n].get("overhead_s", 0.0)) for n in MODULES},
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
+              "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
+                           for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),
               "source": where})
-    return c.with_slowdown(procs, cores) if oversubscription else c
+    return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c

@@ -120,10 +120,17 @@ class BatchCosts:
     gen_tokens: np.ndarray
     gen_owner: np.ndarray
     num_samples: int
+    load_s: np.ndarray | None = None     # per sample: seconds to preprocess it in a trainer (host model)
 
     def per_sample(self, which: str) -> np.ndarray:
         owner, val = (self.enc_owner, self.enc_flops) if which == "encoder" else (self.gen_owner, self.gen_flops)
         return np.bincount(owner, weights=val, minlength=self.num_samples)
+
+    def groups(self, which: str, samples) -> int:
+        """Calls of the module for these samples: one per image resolution present (the
+        encoder and generator run each resolution group as one dense batch)."""
+        owner, tok = (self.enc_owner, self.enc_tokens) if which == "encoder" else (self.gen_owner, self.gen_tokens)
+        return int(len(np.unique(tok[np.isin(owner, list(samples))])))
 
     def per_sample_tokens(self, which: str) -> np.ndarray:
         owner, val = (self.enc_owner, self.enc_tokens) if which == "encoder" else (self.gen_owner, self.gen_tokens)
@@ -139,31 +146,38 @@ def batch_costs(w: Workload, metas) -> BatchCosts:
                       ga[:, 0].astype(np.int64), len(metas))
 
 
-def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False):
-    """(forward, backward) compute seconds of `flops` training FLOPs on a TP group."""
+def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False, calls=None):
+    """(forward, backward) compute seconds of `flops` training FLOPs on a TP group; `calls`:
+    module invocations (per-call overhead), default one wherever there is work."""
     flops = np.asarray(flops, dtype=np.float64)
     t = flops / (tp * cluster.peak_flops * cluster.efficiency[module])
     over = cluster.overhead_s.get(module, 0.0)
     if over:
-        t = t + np.where(flops > 0, over, 0.0)
+        t = t + over * (np.where(flops > 0, 1.0, 0.0) if calls is None else np.asarray(calls, dtype=np.float64))
     t = t * cluster.compute_slowdown
     return t / 3, 2 * t / 3 + (t / 3 if recompute else 0.0)
 
 
-def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, recompute: bool = False):
-    """(forward, backward) seconds of TP collectives for `tokens` through `layers` layers."""
+def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, recompute: bool = False, calls=None):
+    """(forward, backward) seconds of TP collectives for `tokens` through `layers` layers;
+    `calls` module invocations each pay the collectives' latency (default one)."""
     if tp <= 1:
         z = 0.0 * np.asarray(tokens, dtype=np.float64)
         return z, z
     bw, lat = link(cluster, tp > cluster.gpus_per_node)
-    one = ring_allreduce(np.asarray(tokens, dtype=np.float64) * hidden * cluster.value_bytes, tp, bw, lat) * layers
+    nbytes = np.asarray(tokens, dtype=np.float64) * hidden * cluster.value_bytes
+    if calls is None:
+        one = ring_allreduce(nbytes, tp, bw, lat) * layers
+    else:
+        one = (ring_allreduce(nbytes, tp, bw, 0.0)
+               + np.asarray(calls, dtype=np.float64) * ring_allreduce(0.0, tp, 1.0, lat)) * layers
     return 2 * one, (4 if recompute else 2) * one
 
 
 def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: int, cluster: Cluster,
-              recompute: bool = False):
-    cf, cb = compute_fb(flops, module, tp, cluster, recompute)
-    mf, mb = tp_comm_fb(tokens, shape.hidden, layers, tp, cluster, recompute)
+              recompute: bool = False, calls=None):
+    cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls)
+    mf, mb = tp_comm_fb(tokens, shape.hidden, layers, tp, cluster, recompute, calls)
     return cf + mf, cb + mb
 
 
@@ -177,7 +191,15 @@ def p2p_time(tokens, hidden: int, tp, cluster: Cluster, spans_nodes):
 
 
 def dp_sync_time(params_per_gpu, dp, spans_nodes, cluster: Cluster):
-    """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16)."""
+    """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16); with a measured
+    reduce-scatter / all-gather (cluster.host["dp_sync"], CPU profiles) each at its own speed."""
+    measured = (cluster.host or {}).get("dp_sync")
+    if measured:
+        nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
+        rs, ag = measured["reduce_scatter"], measured["all_gather"]
+        # gloo reduces and copies on the CPU: processes sharing cores slow it down like host work
+        return cluster.host_slowdown * (ring_shard(nbytes, dp, rs["bandwidth_Bps"], rs["latency_s"])
+                                        + ring_shard(nbytes, dp, ag["bandwidth_Bps"], ag["latency_s"]))
     bw, lat = link(cluster, spans_nodes)
     return ring_allreduce(np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes),
                           dp, bw, lat)
@@ -240,7 +262,7 @@ def load_seconds(w: Workload, metas, cluster: Cluster) -> np.ndarray:
     d = (cluster.host or {}).get("data")
     if not d:
         return np.zeros(len(metas))
-    return cluster.compute_slowdown * np.array(
+    return cluster.host_slowdown * np.array(
         [d["s_per_sample"] + d["s_per_input_pixel"] * sum(r * r for r in m.input_resolutions)
          + d["s_per_output_pixel"] * sum(r * r for r in m.output_resolutions) for m in metas], dtype=np.float64)
 
@@ -250,7 +272,7 @@ def data_time(load_s: np.ndarray, samples, microbatches: int, cluster: Cluster) 
     d = (cluster.host or {}).get("data")
     if not d:
         return 0.0
-    return float(np.sum(load_s[list(samples)])) + cluster.compute_slowdown * microbatches * d[
+    return float(np.sum(load_s[list(samples)])) + cluster.host_slowdown * microbatches * d[
         "collate_s_per_microbatch"]
 
 
@@ -259,7 +281,7 @@ def optimizer_time(params_shard, cluster: Cluster, optimizers: int = 1) -> float
     o = (cluster.host or {}).get("optimizer")
     if not o:
         return 0.0
-    return cluster.compute_slowdown * (optimizers * o["fixed_s"] + o["s_per_param"] * float(params_shard))
+    return cluster.host_slowdown * (optimizers * o["fixed_s"] + o["s_per_param"] * float(params_shard))
 
 
 def harness_time(world: int, cluster: Cluster) -> float:

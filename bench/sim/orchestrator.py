@@ -260,3 +260,58 @@ def best_deepspeed_layout(workload: Workload | str, num_gpus: int, cluster: Clus
         if r["feasible"] and (best is None or r["iteration_time_s"] < best["estimate_s"]):
             best = {"zero_stage": z, "dp": num_gpus, "recompute": rc, "estimate_s": r["iteration_time_s"]}
     return best
+
+
+def exact_plans(workload: Workload | str, num_gpus: int, cluster: Cluster | str = "h100",
+                global_batch_size: int | None = None, micro_batch_size: int | None = None, valid=None,
+                recompute=(False,)):
+    """Every disaggregated plan using exactly `num_gpus` devices (what a runtime that gives each
+    rank to one module needs), with TP powers of two <= gpus_per_node dividing the heads, PP
+    dividing the layers, backbone DP x microbatch dividing the batch; `valid(plan)` (optional)
+    filters further (e.g. the runtime's own plan validation). Yields plans in a fixed order."""
+    w = get_workload(workload) if isinstance(workload, str) else workload
+    cluster = get_cluster(cluster)
+    B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
+    b, gpn = w.backbone, cluster.gpus_per_node
+    side = {k: [(tp, dp) for tp in C.tp_choices(gpn, C.module_shapes(w)[k].heads) for dp in range(1, num_gpus // tp + 1)]
+            for k in ("encoder", "generator")}
+    for rc, tp, pp, dp in product(recompute, C.tp_choices(gpn, b.num_attention_heads, b.num_query_groups),
+                                  C.divisors(b.num_layers), C.divisors(B // mbs)):
+        rest = num_gpus - tp * pp * dp
+        if rest < 2:
+            continue
+        for (te, de) in side["encoder"]:
+            g = rest - te * de
+            for (tg, dg) in side["generator"]:
+                if tg * dg != g:
+                    continue
+                plan = {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "pp": pp, "dp": dp},
+                        "generator": {"tp": tg, "dp": dg}, "recompute": rc}
+                if valid is None or valid(plan):
+                    yield plan
+
+
+def best_exact_plan(workload: Workload | str, num_gpus: int, cluster: Cluster | str = "h100", seed: int = 0,
+                    global_batch_size: int | None = None, micro_batch_size: int | None = None, valid=None,
+                    refine: int = 6, data_order: str | None = "none", recompute=(False,)) -> dict | None:
+    """The best plan of `exact_plans`: all ranked by the closed-form estimate (`estimate_disttrain`),
+    the `refine` best re-scored by the exact simulator (one batch, the trainers' data order and
+    the cluster's host costs), ties broken by the plan's label: deterministic. None if none fits."""
+    from bench.sim.simulate import layout_label, simulate
+    w, cluster, st = _setup(workload, cluster, seed, global_batch_size, micro_batch_size)
+    scored = []
+    for plan in exact_plans(w, num_gpus, cluster, st.B, st.mbs, valid, recompute):
+        est = estimate_disttrain(w, st, cluster, plan)
+        if np.isfinite(est):
+            scored.append((est, layout_label("disttrain", plan), plan))
+    if not scored:
+        return None
+    scored.sort(key=lambda x: (x[0], x[1]))
+    best = None
+    for est, label, plan in scored[:max(refine, 1)]:
+        r = simulate(w, "disttrain", plan, num_gpus, cluster, seed=seed, num_batches=1, global_batch_size=st.B,
+                     micro_batch_size=st.mbs, data_order=data_order, reorder=False)
+        key = (r["iteration_time_s"], label)
+        if r["feasible"] and (best is None or key < best[0]):
+            best = (key, {**plan, "estimate_s": est, "simulated_s": r["iteration_time_s"]})
+    return best[1] if best else None

@@ -114,3 +114,95 @@ def estimate_1f1b(stage_fb, links=None, m: int = 1) -> float:
     t = np.asarray(stage_fb, dtype=np.float64)
     lk = 0.0 if links is None else 2.0 * float(np.sum(links))
     return float(t.sum() + (m - 1) * t.max() + lk)
+
+
+@dataclass
+class Chain:
+    """One pipeline for `shared_1f1b`: [m, S] forward / backward durations (seconds on a whole
+    core), S - 1 link delays, and how many processes each operation keeps busy ([m, S], or
+    None: one per operation)."""
+    fwd: np.ndarray
+    bwd: np.ndarray
+    links: list | None = None
+    wf: np.ndarray | None = None
+    wb: np.ndarray | None = None
+
+
+def shared_1f1b(chains: list[Chain], cores: float) -> tuple[float, list[float]]:
+    """1F1B of several independent pipelines whose processes share `cores` CPU cores.
+
+    Same operation order and dependencies as `one_f_one_b`, but durations are work: an
+    operation keeping w processes busy progresses, while the running operations keep D
+    processes busy in all, at min(1, cores / D) of its full speed (processor sharing; a
+    process waiting for a message uses no core). Transfers are delays that use no core.
+    Event-driven and exact for that fluid model. Returns (makespan, end time per chain).
+    With enough cores (D <= cores always) it equals one_f_one_b on every chain.
+    """
+    eps = 1e-15
+    st = []                          # per (chain, stage): ops, pointer, running [remaining, weight], ready time
+    for c, ch in enumerate(chains):
+        fwd, bwd = np.asarray(ch.fwd, dtype=np.float64), np.asarray(ch.bwd, dtype=np.float64)
+        m, S = fwd.shape
+        wf = np.ones_like(fwd) if ch.wf is None else np.asarray(ch.wf, dtype=np.float64)
+        wb = np.ones_like(bwd) if ch.wb is None else np.asarray(ch.wb, dtype=np.float64)
+        link = [0.0] * (S - 1) if ch.links is None else [float(x) for x in ch.links]
+        ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S,
+                    "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0}
+        st.append(ch_state)
+    stages = [(c, s, stage_ops(s, ch["S"], ch["m"])) for c, ch in enumerate(st) for s in range(ch["S"])]
+    ptr = [0] * len(stages)
+    running: dict[int, list] = {}    # stage index -> [remaining work, weight, kind, j]
+    t = 0.0
+    total = sum(len(ops) for _, _, ops in stages)
+    done = 0
+    while done < total:
+        pending = []
+        for i, (c, s, ops) in enumerate(stages):
+            if i in running or ptr[i] >= len(ops):
+                continue
+            ch = st[c]
+            kind, j = ops[ptr[i]]
+            if kind == 0:
+                if s == 0:
+                    ready = 0.0
+                elif ch["f_end"][s - 1][j] < 0:
+                    continue
+                else:
+                    ready = ch["f_end"][s - 1][j] + ch["link"][s - 1]
+            else:
+                if s == ch["S"] - 1:
+                    ready = ch["f_end"][s][j]
+                elif ch["b_end"][s + 1][j] < 0:
+                    continue
+                else:
+                    ready = ch["b_end"][s + 1][j] + ch["link"][s]
+            prev = max(ch["f_end"][s].max(), ch["b_end"][s].max(), 0.0)    # the stage's own last op
+            ready = max(ready, prev)
+            if ready <= t + eps:
+                work = (ch["fwd"] if kind == 0 else ch["bwd"])[j][s]
+                weight = (ch["wf"] if kind == 0 else ch["wb"])[j][s]
+                running[i] = [float(work), max(float(weight), 1e-9), kind, j]
+            else:
+                pending.append(ready)
+        finished = [i for i, r in running.items() if r[0] <= eps]
+        if not finished:
+            demand = sum(r[1] for r in running.values())
+            rate = min(1.0, cores / demand) if demand > 0 else 1.0
+            dt = min((r[0] / rate for r in running.values()), default=float("inf"))
+            if pending:
+                dt = min(dt, min(pending) - t)
+            if not np.isfinite(dt):
+                raise RuntimeError("shared 1F1B schedule deadlocked (a bug: the order is deadlock-free)")
+            for r in running.values():
+                r[0] -= rate * dt
+            t += dt
+            finished = [i for i, r in running.items() if r[0] <= eps * max(1.0, t)]
+        for i in finished:
+            c, s, ops = stages[i]
+            _, _, kind, j = running.pop(i)
+            (st[c]["f_end"] if kind == 0 else st[c]["b_end"])[s][j] = t
+            st[c]["end"] = max(st[c]["end"], t)
+            ptr[i] += 1
+            done += 1
+    ends = [ch["end"] for ch in st]
+    return (max(ends) if ends else 0.0), ends

@@ -1,0 +1,211 @@
+"""python -m bench simulate: one simulated configuration -> one record (mode "simulated").
+
+    python -m bench simulate --system disttrain --workload mllm-72b --gpus 1172 [--cluster h100]
+        [--layout auto | enc:1x4,llm:8x10x12,gen:1x4 | tp8-pp10-dp12 | zero3 | '{"tp": 8, ...}']
+        [--set seed=0 --set num_batches=2 --set reorder=true --set global_batch_size=1024 ...]
+
+--cluster: h100 | h200 (datasheet clusters), `cpu` (this machine: its profile for the workload
+under results/profiles/ if there is one, else documented CPU defaults), or `cpu-profile FILE` /
+a profile file path (a measured CPU profile -> this CPU with N processes; a derived or GPU
+profile -> that GPU's cluster with the profile's efficiency). Every assumption goes into the
+record; the summary line says "(simulated)". Bad input: one line on stderr, exit 2, nothing
+appended. A layout that does not fit in memory is appended as a skipped record (exit 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+SETTABLE = {"seed": int, "num_batches": int, "reorder": bool, "global_batch_size": int, "micro_batch_size": int,
+            "profile": str, "recompute": bool, "zero_stage": int, "placement": str}
+
+
+class InputError(ValueError):
+    pass
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate one system on a cluster and append a simulated record")
+    p.add_argument("--system", required=True)
+    p.add_argument("--workload", required=True)
+    p.add_argument("--gpus", type=int, required=True, help="devices in the simulated cluster")
+    p.add_argument("--cluster", nargs="+", default=["h100"], metavar="CLUSTER",
+                   help="h100 | h200 | cpu | cpu-profile FILE | FILE (a bench profile JSON)")
+    p.add_argument("--layout", default="auto", help="auto (the orchestrator's choice) or a layout")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"simulation settings: {', '.join(sorted(SETTABLE))}")
+    p.add_argument("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--results", type=Path, default=None, help="JSONL file records are appended to")
+    p.set_defaults(handler=handle)
+
+
+def _bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off"):
+        return False
+    raise InputError(f"expected true/false, got {v!r}")
+
+
+def parse_sets(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise InputError(f"malformed --set {item!r}: write key=value, e.g. --set seed=1")
+        if key not in SETTABLE:
+            raise InputError(f"unknown --set key {key!r}; choose one of {sorted(SETTABLE)}")
+        kind = SETTABLE[key]
+        try:
+            out[key] = _bool(value) if kind is bool else kind(value)
+        except ValueError:
+            raise InputError(f"--set {key}={value!r} is not a valid {kind.__name__}") from None
+    return out
+
+
+def parse_layout(system: str, text: str, sets: dict) -> dict | str:
+    """'auto', JSON, or the short forms: tpT-ppP-dpD (megatron), zeroZ[-dpD] (deepspeed),
+    enc:TPxDP,llm:TPxPPxDP,gen:TPxDP (disttrain)."""
+    text = text.strip()
+    if text == "auto":
+        return "auto"
+    if text.startswith("{"):
+        try:
+            layout = json.loads(text)
+        except ValueError as e:
+            raise InputError(f"--layout is not valid JSON: {e}") from None
+    elif system == "megatron":
+        m = re.fullmatch(r"tp(\d+)-pp(\d+)-dp(\d+)(-rc)?", text)
+        if not m:
+            raise InputError(f"megatron --layout {text!r}: write tpT-ppP-dpD (e.g. tp8-pp10-dp12) or auto")
+        layout = {"tp": int(m[1]), "pp": int(m[2]), "dp": int(m[3]), "recompute": bool(m[4])}
+    elif system == "deepspeed":
+        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-rc)?", text)
+        if not m:
+            raise InputError(f"deepspeed --layout {text!r}: write zeroZ[-dpD] (e.g. zero3) or auto")
+        layout = {"zero_stage": int(m[1]), "recompute": bool(m[3])}
+        if m[2]:
+            layout["dp"] = int(m[2])
+    else:
+        from systems._disttrain_plan import parse_plan
+        from systems.base import ConfigError
+        colocated = sets.get("placement") == "colocated"
+        try:
+            plan = parse_plan(text, 0, colocated)
+        except ConfigError as e:
+            msg = str(e)
+            if "but --nproc is 0" not in msg and "span all 0" not in msg:
+                raise InputError(f"disttrain --layout: {msg}") from None
+            plan = _parse_plan_loose(text, colocated)
+        layout = {n: {"tp": p.tp, "dp": p.dp, **({"pp": p.pp} if n == "backbone" else {})}
+                  for n, p in plan.modules.items()}
+        if colocated:
+            layout["placement"] = "colocated"
+    for key in ("recompute", "zero_stage"):
+        if key in sets:
+            layout[key] = sets[key]
+    return layout
+
+
+def _parse_plan_loose(text: str, colocated: bool):
+    """parse_plan without the process-count check (the simulated cluster may leave devices idle)."""
+    from systems._disttrain_plan import parse_plan
+    sizes = 0
+    for part in text.replace(" ", "").split(","):
+        nums = [int(x) for x in part.split(":", 1)[1].split("x")]
+        size = 1
+        for x in nums:
+            size *= x
+        sizes = max(sizes, size) if colocated else sizes + size
+    return parse_plan(text, sizes, colocated)
+
+
+def build_cluster(spec: list[str], workload: str, gpus: int):
+    from bench.profile import find_profile, load_profile
+    from bench.sim.cluster import CLUSTERS, cluster_from_profile, cpu_cluster
+    name = spec[0]
+    if len(spec) > 2 or (len(spec) == 2 and name != "cpu-profile"):
+        raise InputError(f"--cluster {' '.join(spec)!r}: write h100, h200, cpu, or cpu-profile FILE")
+    if name in CLUSTERS and len(spec) == 1:
+        return CLUSTERS[name], None
+    if name == "cpu" and len(spec) == 1:
+        path = find_profile(workload, "cpu")
+        return cpu_cluster(gpus, profile=load_profile(path) if path else None), path
+    path = Path(spec[1] if name == "cpu-profile" else name)
+    if name == "cpu-profile" and len(spec) != 2:
+        raise InputError("--cluster cpu-profile needs a profile file: --cluster cpu-profile FILE")
+    if not path.is_file():
+        raise InputError(f"--cluster: unknown cluster or missing profile file {str(path)!r}; "
+                         f"choose one of {sorted(CLUSTERS)}, cpu, or cpu-profile FILE")
+    try:
+        return cluster_from_profile(load_profile(path), processes=gpus), path
+    except (ValueError, KeyError) as e:
+        raise InputError(f"--cluster: {e}") from None
+
+
+def run(args) -> dict:
+    """Validate everything, then simulate; returns the record (not yet appended)."""
+    from bench.config import parse_sets as parse_tags
+    from bench.sim.simulate import SYSTEMS, check_layout, simulate_record
+    from systems.base import ConfigError
+    from workloads.presets import PRESETS, get_workload
+    if args.system not in SYSTEMS:
+        raise InputError(f"unknown system {args.system!r}; choose one of {list(SYSTEMS)}")
+    if args.workload not in PRESETS:
+        raise InputError(f"unknown workload {args.workload!r}; choose one of {sorted(PRESETS)}")
+    if args.gpus < 1:
+        raise InputError(f"--gpus must be >= 1, got {args.gpus}")
+    sets = parse_sets(args.sets)
+    try:
+        tags = {k: str(v) for k, v in parse_tags(args.tags).items()}
+    except ConfigError as e:
+        raise InputError(str(e).replace("--set", "--tag")) from None
+    try:
+        w = get_workload(args.workload, sets.get("profile"))
+    except KeyError as e:
+        raise InputError(e.args[0]) from None
+    B = sets.get("global_batch_size", w.global_batch_size)
+    mbs = sets.get("micro_batch_size", w.micro_batch_size)
+    if B < 1 or mbs < 1 or B % mbs:
+        raise InputError(f"global_batch_size {B} must be a positive multiple of micro_batch_size {mbs}")
+    layout = parse_layout(args.system, args.layout, sets)
+    cluster, profile_path = build_cluster(args.cluster, args.workload, args.gpus)
+    if layout != "auto":
+        try:
+            check_layout(w, args.system, layout, args.gpus, B, mbs)
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"--layout: {e}") from None
+    if profile_path is not None:
+        tags.setdefault("cluster_profile", str(profile_path))
+    return simulate_record(args.workload, args.system, args.gpus, cluster, layout, seed=sets.get("seed", 0),
+                           num_batches=sets.get("num_batches", 2), reorder=sets.get("reorder", True),
+                           profile=sets.get("profile"), global_batch_size=B, micro_batch_size=mbs, tags=tags)
+
+
+def summary(record: dict) -> str:
+    m, lay = record["metrics"], record["layout"]
+    head = (f"[simulate] {record['system']} {record['workload']} on {record['num_devices']} x "
+            f"{record['assumptions']['gpu']} ({record['config']['cluster']}) (simulated): {lay.get('label')}")
+    if record["status"] != "ok":
+        return f"{head}: {record['status']} ({record['reason']})"
+    return (f"{head} ({record['config']['layout_choice']}), iteration {m['iteration_time_s']:.4g} s, "
+            f"{m['samples_per_s']:.4g} samples/s, MFU {100 * m['mfu']:.1f}%, bubble {100 * m['bubble_fraction']:.1f}%, "
+            f"{m['per_gpu_memory_gib']:.1f} GiB/device")
+
+
+def handle(args, results_path) -> int:
+    from bench.records import append_record
+    try:
+        record = run(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    append_record(record, results_path)
+    print(summary(record) + f" -> {results_path}")
+    return 0 if record["status"] == "ok" else 1

@@ -1,0 +1,273 @@
+"""python -m bench validate: the simulator against this machine's measured runs.
+
+For every measured, ok record of megatron / deepspeed / disttrain that ran on the CPU, the
+same configuration is simulated (workload, data profile, global and micro batch, layout or
+plan, process count, the measured steps' very samples and the trainers' own data
+assignment) on a CPU cluster built from the measured profile of this machine
+(results/profiles/cpu-<workload>.json; measured first if missing): per-module compute from
+the profile's fit, gloo latency and bandwidth, the host costs (preprocessing in the trainer,
+optimizer step), and the processes sharing `cores` CPU cores: with P processes on C cores each
+gets min(1, C / P) of a core, so compute runs max(1, P / C) times slower. Nothing is fitted per
+record: every constant comes from the one profile.
+
+Each simulation is appended as a record (mode "simulated", tags {"experiment": "validation",
+"measured_run_id": ...}) and `validation.md` beside the results file gets the table system,
+layout, nproc, measured iteration s, simulated s, error %.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+SYSTEMS = ("megatron", "deepspeed", "disttrain")
+GOAL_PCT = 10.0
+
+
+def measured_runs(records: list[dict]) -> list[dict]:
+    """Measured, ok, CPU records of the three systems."""
+    out = []
+    for r in records:
+        device = (r.get("env") or {}).get("device") or (r.get("config") or {}).get("device")
+        if r["mode"] == "measured" and r["status"] == "ok" and r["system"] in SYSTEMS and device == "cpu" \
+                and r["steps"]:
+            out.append(r)
+    return out
+
+
+def sim_layout(record: dict) -> dict:
+    """The simulator's layout dict for a measured record's layout."""
+    lay, system = record["layout"], record["system"]
+    if system == "megatron":
+        return {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"], "recompute": False}
+    if system == "deepspeed":
+        return {"zero_stage": lay["zero_stage"], "dp": lay["dp"], "recompute": False}
+    mods = lay["modules"]
+    out = {n: {"tp": mods[n]["tp"], "dp": mods[n]["dp"], **({"pp": mods[n]["pp"]} if n == "backbone" else {})}
+           for n in ("encoder", "backbone", "generator")}
+    out["recompute"] = False
+    if lay.get("placement") == "colocated":
+        out["placement"] = "colocated"
+    return out
+
+
+def processes_of(record: dict) -> int:
+    """Processes competing for the cores: the trainers, plus preprocessing workers if disaggregated."""
+    data = record["config"].get("data", {})
+    extra = int(data.get("num_workers", 0)) if data.get("preprocess") == "disaggregated" else 0
+    return int(record["num_devices"]) + extra
+
+
+def cluster_for(record: dict, profile: dict, cores: int | None = None):
+    from dataclasses import replace
+    from bench.sim.cluster import cluster_from_profile
+    cores = cores or ((record.get("env") or {}).get("hardware") or {}).get("cpu_count") or os.cpu_count()
+    cl = cluster_from_profile(profile, processes=processes_of(record), cores=cores)
+    cl = replace(cl, gpus_per_node=max(int(record["num_devices"]), 1))
+    if record["config"].get("data", {}).get("preprocess") == "disaggregated":
+        # preprocessing happens in separate workers, ahead of the trainers (prefetch)
+        cl = replace(cl, host={**cl.host, "data": None})
+    return cl, cores
+
+
+def simulate_measured(record: dict, profile: dict, cores: int | None = None) -> dict:
+    """Simulate one measured record's configuration; returns the simulator's output dict plus
+    "median_iteration_s" (the measured metric is the median step latency too)."""
+    from bench.sim.simulate import simulate
+    from workloads.presets import get_workload
+    cfg = record["config"]
+    w = get_workload(record["workload"], record["data_profile"])
+    cluster, cores = cluster_for(record, profile, cores)
+    steps = [int(s["step"]) for s in record["steps"] if not s.get("warmup")]
+    r = simulate(w, record["system"], sim_layout(record), int(record["num_devices"]), cluster,
+                 seed=int(cfg.get("seed", 0)), global_batch_size=int(cfg["global_batch_size"]),
+                 micro_batch_size=int(cfg["micro_batch_size"]), steps=steps,
+                 num_samples=int(cfg.get("data", {}).get("num_samples", 0)) or None,
+                 data_order=cfg.get("data", {}).get("reorder", "none"), reorder=False)
+    r["median_iteration_s"] = float(statistics.median(r["iteration_times_s"]))
+    r["cluster"], r["cores"] = cluster, cores
+    return r
+
+
+def measured_step_s(record: dict) -> float:
+    m = record["metrics"].get("step_time_s")
+    return float(m) if m is not None else float(statistics.median(s["latency_s"] for s in record["steps"]))
+
+
+def validation_record(record: dict, profile: dict, profile_path: str | None, cores: int | None = None) -> dict:
+    from bench.metrics import throughput
+    from bench.records import build_record, new_run_id
+    from bench.sim import costs as C
+    from workloads.flops import ModuleFlops
+    r = simulate_measured(record, profile, cores)
+    cluster = r["cluster"]
+    sim_s, meas_s = r["median_iteration_s"], measured_step_s(record)
+    cfg = record["config"]
+    B = int(cfg["global_batch_size"])
+    flops = ModuleFlops(**r["flops_per_iteration"])
+    tp = throughput([sim_s], B, B * _seq(record), flops,
+                    int(record["num_devices"]), float(record["metrics"].get("peak_flops_per_device")
+                                                       or cluster.peak_flops))
+    error = 100.0 * (sim_s - meas_s) / meas_s
+    metrics = {**tp.as_dict(), "iteration_time_s": sim_s, "iteration_times_s": r["iteration_times_s"],
+               "bubble_fraction": r["bubble_fraction"], "per_gpu_memory_gib": r["per_gpu_memory_gib"],
+               "measured_iteration_time_s": meas_s, "error_pct": error, "gpus_used": r["gpus_used"]}
+    config = {"measured_config": cfg, "cluster": cluster.name, "profile": profile_path,
+              "processes": processes_of(record), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
+              "data_order": cfg.get("data", {}).get("reorder", "none")}
+    assumptions = {**cluster.assumptions(), "cost_model": C.__doc__.strip(),
+                   "validation": ("same configuration as the measured run (its steps' samples, the trainers' "
+                                  "data assignment, its layout and process count); every constant from the "
+                                  "profile; simulated metric: median over the measured steps"),
+                   "profile_date": profile.get("date"), "profile_load_average": profile.get("load_average")}
+    return build_record(run_id=new_run_id(), mode="simulated", system=record["system"], workload=record["workload"],
+                        data_profile=record["data_profile"], status="ok", num_devices=record["num_devices"],
+                        layout={"label": record["layout"].get("label"), "sim_label": r["label"],
+                                **{k: v for k, v in record["layout"].items() if k != "label"}},
+                        config=config, env={"simulator": "bench.sim", "validated_against": "measured"},
+                        tags={"experiment": "validation", "measured_run_id": record["run_id"],
+                              "profile_date": str(profile.get("date"))},
+                        metrics=metrics, assumptions=assumptions)
+
+
+def _seq(record: dict) -> int:
+    from workloads.presets import get_workload
+    return get_workload(record["workload"]).backbone.seq_length
+
+
+def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
+    """(measured, simulated) record pairs -> rows of the validation table."""
+    rows = []
+    for meas, sim in pairs:
+        m, s = measured_step_s(meas), float(sim["metrics"]["iteration_time_s"])
+        rows.append({"system": meas["system"], "workload": meas["workload"],
+                     "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
+                     "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
+                     "measured_s": m, "simulated_s": s, "error_pct": 100.0 * (s - m) / m,
+                     "measured_run_id": meas["run_id"]})
+    return rows
+
+
+def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: float = GOAL_PCT,
+             background: dict | None = None) -> str:
+    """The validation table; `background` (run_id -> {"background_share_mean": share of the machine's
+    CPU other processes used during that run}) adds a column and a summary of the quiet runs."""
+    lines = ["# Simulator validation", "",
+             "Measured CPU runs against the simulator on a CPU cluster built from this machine's profile "
+             "(`python -m bench validate`). Error = (simulated - measured) / measured.", ""]
+    if profiles:
+        lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
+    bg = background or {}
+    head = "| system | workload | layout | nproc | measured iteration s | simulated s | error % |"
+    lines += [head + (" other load % |" if bg else ""), "|---|---|---|---|---|---|---|" + ("---|" if bg else "")]
+    for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
+        extra = " (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else ""
+        share = (bg.get(r["measured_run_id"]) or {}).get("background_share_mean")
+        cell = (f" {100 * share:.0f} |" if share is not None else " ? |") if bg else ""
+        lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | "
+                     f"{r['measured_s']:.4g} | {r['simulated_s']:.4g} | {r['error_pct']:+.1f} |" + cell)
+    def stats(rs, what):
+        errs = [abs(r["error_pct"]) for r in rs]
+        return (f"{what}: {len(rs)} runs, mean |error| {statistics.fmean(errs):.1f}%, median "
+                f"{statistics.median(errs):.1f}%, max {max(errs):.1f}%; {sum(e <= goal for e in errs)}/{len(rs)} "
+                f"within {goal:g}%.") if rs else f"{what}: none."
+    if rows:
+        lines += ["", stats(rows, "All")]
+        for wl in sorted({r["workload"] for r in rows}):
+            lines.append(stats([r for r in rows if r["workload"] == wl], f"`{wl}`"))
+        if bg:
+            quiet = [r for r in rows if (bg.get(r["measured_run_id"]) or {}).get("background_share_mean", 1) < 0.1]
+            lines += ["", "Other load: share of the machine's CPU used by processes outside the run while it ran "
+                          "(sampled each second); a run sharing the CPU with others is slower than any model of "
+                          "this machine alone can say.", stats(quiet, "Runs with other load < 10%")]
+    else:
+        lines += ["", "No measured CPU run to validate against."]
+    return "\n".join(lines) + "\n"
+
+
+def get_profile(workload: str, measure_missing: bool = True, log=print,
+                profile_dir: Path | None = None) -> tuple[dict | None, str | None]:
+    from bench.profile import default_path, find_profile, load_profile, profile_workload, write_profile
+    path = find_profile(workload, "cpu", profile_dir)
+    if path is None:
+        if not measure_missing:
+            return None, None
+        log(f"[validate] no profile of {workload} on this CPU: measuring one (python -m bench profile)")
+        path = write_profile(profile_workload(workload, log=log), default_path("cpu", workload, profile_dir))
+    return load_profile(path), str(path)
+
+
+def validate(results: Path, out_md: Path | None = None, measure_missing: bool = True, force: bool = False,
+             log=print, profile_dir: Path | None = None, background: dict | None = None) -> tuple[list[dict], Path]:
+    """Append validation records for the measured runs in `results`; write the Markdown table."""
+    from bench.records import append_record, read_records
+    records = read_records(results) if results.exists() else []
+    done = {(r["tags"].get("measured_run_id"), r["tags"].get("profile_date")) for r in records
+            if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation"}
+    by_id = {r["run_id"]: r for r in records}
+    runs = measured_runs(records)
+    profiles, paths = {}, {}
+    for wl in sorted({r["workload"] for r in runs}):
+        profiles[wl], paths[wl] = get_profile(wl, measure_missing, log, profile_dir)
+    latest: dict[str, dict] = {}
+    for r in records:                         # the newest validation of each measured run, kept
+        if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation":
+            latest[r["tags"].get("measured_run_id")] = r
+    for rec in runs:
+        prof = profiles.get(rec["workload"])
+        if prof is None:
+            log(f"[validate] {rec['system']} {rec['layout'].get('label')}: no profile of {rec['workload']}, skipped")
+            continue
+        if not force and (rec["run_id"], str(prof.get("date"))) in done:
+            continue
+        try:
+            sim = validation_record(rec, prof, paths[rec["workload"]])
+        except (ValueError, KeyError) as e:
+            log(f"[validate] {rec['system']} {rec['layout'].get('label')} ({rec['run_id']}): cannot simulate: {e}")
+            continue
+        append_record(sim, results)
+        latest[rec["run_id"]] = sim
+    pairs = [(by_id[mid], s) for mid, s in latest.items() if mid in by_id]
+    rows = table_rows(pairs)
+    out_md = out_md or results.parent / "validation.md"
+    out_md.write_text(markdown(rows, paths, background=background))
+    for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
+        log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
+            f"{row['measured_s']:.4g} s, simulated {row['simulated_s']:.4g} s ({row['error_pct']:+.1f}%)")
+    return rows, out_md
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("validate", help="simulate every measured CPU run on this machine's profile; "
+                                        "append tagged simulated records and write validation.md")
+    p.add_argument("--results", type=Path, default=None, help="JSONL file of measured records (default "
+                   "results/runs.jsonl); validation records are appended to it")
+    p.add_argument("--out", type=Path, default=None, help="Markdown table (default: validation.md beside --results)")
+    p.add_argument("--no-profile", action="store_true", help="do not measure a missing profile; skip its runs")
+    p.add_argument("--force", action="store_true", help="re-simulate runs already validated with this profile")
+    p.add_argument("--background", type=Path, default=None, help="JSON {run_id: {background_share_mean: ...}}: "
+                   "how much of the CPU other processes used during each measured run (adds a column)")
+    p.set_defaults(handler=handle)
+
+
+def handle(args, results_path) -> int:
+    results = Path(results_path)
+    if not results.exists():
+        print(f"error: no results file {results}", file=sys.stderr)
+        return 2
+    background = None
+    if args.background:
+        try:
+            background = json.loads(Path(args.background).read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: --background {args.background}: {e}", file=sys.stderr)
+            return 2
+    rows, md = validate(results, args.out, measure_missing=not args.no_profile, force=args.force,
+                        background=background)
+    errs = [abs(r["error_pct"]) for r in rows]
+    summary = (f"mean |error| {statistics.fmean(errs):.1f}%, max {max(errs):.1f}%, "
+               f"{sum(e <= GOAL_PCT for e in errs)}/{len(errs)} within {GOAL_PCT:g}%") if errs else "nothing to validate"
+    print(f"[validate] {len(rows)} measured runs vs simulated: {summary}; table {md}")
+    return 0

@@ -1,0 +1,93 @@
+"""Profiler: a real (tiny) profile of this CPU, derived GPU profiles, and the fits they use."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.profile import derive_profile, fit_affine, fit_linear_nonneg, load_profile
+
+REPO = Path(__file__).resolve().parent.parent
+MODULES = ("encoder", "backbone", "generator")
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    """`python -m bench profile` of tiny, in its own process (it installs the CPU shims)."""
+    out = tmp_path_factory.mktemp("prof") / "cpu-tiny.json"
+    proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--out", str(out),
+                           "--microbatches", "3", "--repeats", "1", "--no-comm"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[profile] wrote" in proc.stdout
+    return out
+
+
+def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
+    p = load_profile(tiny_profile)
+    assert p["derived"] is False and p["hardware"]["device"] == "cpu" and p["workload"] == "tiny"
+    assert p["versions"]["torch"] and p["date"] and p["peak_flops"] > 0 and "measured" in p["peak_flops_source"]
+    for n in MODULES:
+        m = p["modules"][n]
+        assert m["forward_s_per_layer"] > 0 and m["backward_s_per_layer"] > 0
+        assert m["achieved_flops"] > 0 and 0 < m["efficiency"] < 1.5
+        assert m["rate_flops"] > 0 and m["overhead_s"] >= 0 and m["activation_bytes"] > 0
+    assert p["optimizer"]["fixed_s"] >= 0 and p["optimizer"]["s_per_param"] >= 0
+    assert p["data"]["mean_load_s_per_sample"] > 0
+    assert p["comm"] is None                                 # --no-comm
+
+
+def test_derived_profile_says_derived(tiny_profile):
+    d = derive_profile("mllm-9b", "H100-SXM", efficiency_from=tiny_profile)
+    assert d["derived"] is True and d["derived_from"]["profile"] == str(tiny_profile)
+    assert d["peak_flops"] == 989e12 and d["hardware"]["key"] == "h100-sxm"
+    src = json.loads(Path(tiny_profile).read_text())
+    for n in MODULES:
+        assert d["modules"][n]["efficiency"] == pytest.approx(min(1.0, src["modules"][n]["efficiency"]))
+        assert d["modules"][n]["forward_s_per_layer"] > 0
+    from bench.sim.cluster import cluster_from_profile
+    cl = cluster_from_profile(d)
+    assert cl.gpu == "H100-SXM" and "derived=True" in cl.efficiency_source
+
+
+def test_derived_profile_without_measurement_uses_documented_defaults():
+    from bench.sim.cluster import DEFAULT_EFFICIENCY
+    d = derive_profile("mllm-9b", "H200")
+    assert d["derived"] is True and "default_efficiency" in d["derived_from"]
+    assert {n: d["modules"][n]["efficiency"] for n in MODULES} == DEFAULT_EFFICIENCY
+    with pytest.raises(ValueError, match="unknown --spec"):
+        derive_profile("mllm-9b", "B9000")
+
+
+def test_cli_derive_and_bad_input(tmp_path):
+    out = tmp_path / "h100.json"
+    ok = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "mllm-9b", "--spec", "H100-SXM",
+                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert load_profile(out)["derived"] is True
+    bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "huge"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: unknown workload")
+
+
+def test_fits():
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    a, b, r2 = fit_affine(x, 0.5 + 2.0 * x)
+    assert a == pytest.approx(0.5) and b == pytest.approx(2.0) and r2 == pytest.approx(1.0)
+    a, b, _ = fit_affine(x, -1.0 + 2.0 * x)                   # negative intercept -> through the origin
+    assert a == 0.0 and b > 0
+    coef = fit_linear_nonneg(np.c_[np.ones(4), x], 1.0 + 3.0 * x)
+    assert coef == pytest.approx([1.0, 3.0])
+
+
+@pytest.mark.multiprocess
+def test_gloo_comm_measurement():
+    from bench.profile import measure_comm
+    c = measure_comm(iters=3, sizes=(1024, 1 << 20, 4 << 20))
+    for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
+        assert c[kind]["latency_s"] >= 0 and 0 < c[kind]["bandwidth_Bps"] < 1e15 and len(c[kind]["points"]) == 3
+    json.dumps(c, allow_nan=False)

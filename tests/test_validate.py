@@ -1,0 +1,112 @@
+"""Validation: synthetic measured CPU records -> simulated records tagged validation + a table."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.config import resolve
+from bench.records import build_record, new_run_id, read_records, validate_record
+from bench.sim.cluster import cluster_from_profile
+from bench.validate import markdown, simulate_measured, validate
+
+
+def synthetic_profile(workload: str = "tiny") -> dict:
+    """A profile as bench/profile.py writes it, with round numbers (no measurement)."""
+    mods = {n: {"layers": 2, "forward_s": 0.002, "backward_s": 0.004, "forward_s_per_layer": 0.001,
+                "backward_s_per_layer": 0.002, "flops_per_microbatch": 1e8, "achieved_flops": 1e10,
+                "efficiency": 0.2, "overhead_s": 0.002, "rate_flops": 1e10, "activation_bytes": 1 << 20}
+            for n in ("encoder", "backbone", "generator")}
+    return {
+        "schema": "disttrain-bench-profile/1", "derived": False, "workload": workload,
+        "data_profile": "heterogeneous", "dtype": "fp32", "date": "2026-01-01T00:00:00Z",
+        "hardware": {"key": "cpu", "device": "cpu", "name": "synthetic CPU", "cpu_count": 2},
+        "peak_flops": 5e10, "peak_flops_source": "synthetic", "modules": mods,
+        "optimizer": {"fixed_s": 0.001, "s_per_param": 1e-9},
+        "data": {"s_per_sample": 5e-4, "s_per_input_pixel": 0.0, "s_per_output_pixel": 1e-6,
+                 "collate_s_per_microbatch": 1e-4},
+        "comm": {"p2p": {"latency_s": 1e-4, "bandwidth_Bps": 2e9}, "allreduce": {"latency_s": 1e-4,
+                                                                               "bandwidth_Bps": 1e9}},
+    }
+
+
+def measured_record(system: str, nproc: int, sets: dict, step_s: float, workload: str = "tiny") -> dict:
+    cfg, layout = resolve(system, workload, nproc, sets)
+    steps = [{"step": s, "warmup": False, "latency_s": step_s, "loss": 1.0} for s in range(2, 5)]
+    return build_record(run_id=new_run_id(), system=system, workload=workload, data_profile=cfg.data.profile,
+                        status="ok", layout=layout.as_dict(), num_devices=nproc, config=cfg.to_dict(),
+                        env={"device": "cpu", "hardware": {"cpu_count": 2}}, steps=steps,
+                        metrics={"samples_per_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "mfu_per_module": {},
+                                 "step_time_s": step_s})
+
+
+@pytest.fixture
+def setup(tmp_path):
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
+    results = tmp_path / "runs.jsonl"
+    recs = [measured_record("megatron", 2, {}, 0.05), measured_record("deepspeed", 2, {}, 0.06),
+            measured_record("disttrain", 4, {"plan": "enc:1x1,llm:1x1x2,gen:1x1"}, 0.08),
+            measured_record("disttrain", 2, {"plan": "enc:1x2,llm:2x1x1,gen:1x2", "placement": "colocated"}, 0.1)]
+    with open(results, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    return results, profiles, recs
+
+
+def test_validation_appends_tagged_records_and_a_table(setup):
+    results, profiles, recs = setup
+    rows, md = validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
+    assert len(rows) == 4
+    sims = [r for r in read_records(results) if r["mode"] == "simulated"]
+    assert len(sims) == 4
+    assert {s["tags"]["measured_run_id"] for s in sims} == {r["run_id"] for r in recs}
+    for s in sims:
+        validate_record(s)
+        assert s["tags"]["experiment"] == "validation" and "assumptions" in s
+        m = s["metrics"]
+        assert m["iteration_time_s"] > 0
+        assert m["error_pct"] == pytest.approx(100 * (m["iteration_time_s"] - m["measured_iteration_time_s"])
+                                               / m["measured_iteration_time_s"])
+    text = md.read_text()
+    assert "| system | workload | layout | nproc | measured iteration s | simulated s | error % |" in text
+    assert text.count("\n| megatron") == 1 and text.count("\n| disttrain") == 2
+    # idempotent: a second pass with the same profile appends nothing
+    validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
+    assert len([r for r in read_records(results) if r["mode"] == "simulated"]) == 4
+
+
+def test_report_section_pairs_simulated_with_measured(setup):
+    from analysis.load import load
+    from analysis.report import validation_section, validation_table
+    results, profiles, _ = setup
+    validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
+    table = validation_table(load(results.parent).runs)
+    assert len(table) == 4 and set(table["system"]) == {"megatron", "deepspeed", "disttrain"}
+    assert "## Simulator validation" in "\n".join(validation_section(load(results.parent).runs))
+
+
+def test_oversubscription_is_explicit(setup):
+    _, _, recs = setup
+    prof = synthetic_profile()
+    four = simulate_measured(recs[2], prof, cores=2)          # 4 processes on 2 cores
+    cl = four["cluster"]
+    assert cl.shared_cores == 2 and cl.host_slowdown == pytest.approx(2.0) and "min(1, 2/4)" in cl.slowdown_source
+    two = simulate_measured(recs[0], prof, cores=2)
+    assert two["cluster"].host_slowdown == 1.0
+    more = simulate_measured(recs[2], prof, cores=8)          # the same run with enough cores is faster
+    assert more["median_iteration_s"] < four["median_iteration_s"]
+
+
+def test_cpu_cluster_from_profile():
+    cl = cluster_from_profile(synthetic_profile(), processes=3, cores=2)
+    assert cl.peak_flops == 5e10 and cl.value_bytes == 4 and cl.p2p_latency == 1e-4
+    assert cl.efficiency["backbone"] == pytest.approx(0.2) and cl.shared_cores == 2 and cl.compute_slowdown == 1
+    assert cl.host_slowdown == pytest.approx(1.5) and cl.assumptions()["peak_flops_source"] == "synthetic"
+    uni = cluster_from_profile(synthetic_profile(), processes=3, cores=2, oversubscription="uniform")
+    assert uni.compute_slowdown == pytest.approx(1.5) and uni.shared_cores is None
+
+
+def test_markdown_without_runs():
+    assert "No measured CPU run" in markdown([])
