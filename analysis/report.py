@@ -96,6 +96,28 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
     return md
 
 
+def headline_section(runs: pd.DataFrame) -> list[str]:
+    """The main comparison (tag experiment=main): each system's fastest layout, and the
+    DistTrain/baseline throughput ratios measured side by side in one sweep."""
+    main = runs[(runs["status"] == "ok") & (runs["experiment"] == "main")]
+    if main.empty:
+        return []
+    md = ["## Headline: the main comparison", ""]
+    for (workload, profile, mode, devices), group in main.groupby(
+            ["workload", "data_profile", "mode", "num_devices"], sort=False):
+        best = group.loc[group.groupby("system")["samples_per_s"].idxmax()].set_index("system")
+        md += [f"{workload} · {profile} · {devices} devices ({mode}):", ""]
+        rows = [{"system": s, "best layout": r["layout_label"], "samples/s": f"{r['samples_per_s']:.4g}",
+                 "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
+        md += _table(pd.DataFrame(rows)) + [""]
+        if "disttrain" in best.index:
+            ours = best.loc["disttrain", "samples_per_s"]
+            ratios = [f"{ours / best.loc[b, 'samples_per_s']:.2f}× {b}" for b in ("megatron", "deepspeed")
+                      if b in best.index]
+            md += ["DistTrain throughput ratio: " + ", ".join(ratios) + ".", ""]
+    return md
+
+
 def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
     runs = data.runs
     counts = runs["status"].value_counts().to_dict() if len(runs) else {}
@@ -111,6 +133,7 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
           "samples/s by the best Megatron layout with the same workload, data profile, mode "
           "and device count.", "", "## Summary of successful runs", ""]
     table = summary_table(runs)
+    md = md[:-2] + headline_section(runs) + md[-2:]
     md += _table(table) if len(table) else ["No successful run."]
     md += ["", "## Figures", ""]
     for o in outcomes:

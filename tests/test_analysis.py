@@ -232,3 +232,13 @@ def test_record_missing_key_refused_with_file_and_line(tmp_path, capsys):
     assert main(["report", "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "y.jsonl:2" in err
+
+
+def test_headline_ratios_come_from_the_main_runs(data):
+    from analysis.report import headline_section
+    text = "\n".join(headline_section(data.runs))
+    main = data.runs[(data.runs["experiment"] == "main") & (data.runs["workload"] == "small")]
+    best = main.groupby("system")["samples_per_s"].max()
+    assert "## Headline" in text
+    assert f"{best['disttrain'] / best['megatron']:.2f}× megatron" in text
+    assert f"{best['disttrain'] / best['deepspeed']:.2f}× deepspeed" in text
