@@ -25,7 +25,7 @@ def _ablation(data, experiment: str, variant: str, variants: tuple, panels: list
     present = ordered(best[variant], variants)
     palette = dict(zip(present, sns.color_palette(colors, len(present) + 1)[1:]))
     best, order = with_groups(best, with_system=best["system"].nunique() > 1, with_mode=True)
-    if len(order) <= 2:  # side by side while the groups' tick labels fit
+    if len(order) <= 2 and len(panels) <= 2:  # side by side while the tick labels fit
         fig, axes = new_figure(ncols=len(panels))
     else:
         fig, axes = new_figure(nrows=len(panels), size=(FIGSIZE[0], 1.2 + 2.9 * len(panels)))
@@ -53,12 +53,13 @@ def orchestration(data):
 
 
 @figure("reorder", "Ablation: data reordering (none / intra-microbatch / inter-microbatch / "
-        "both): throughput and encoder load imbalance across data-parallel ranks "
-        "(experiment=reorder).")
+        "both): throughput, encoder load imbalance across data-parallel ranks (max/mean "
+        "per-rank encoder FLOPs) and, where the system records it, the measured bubble share "
+        "of rank-time (experiment=reorder).")
 def reorder(data):
     return _ablation(data, "reorder", "reorder", ("none", "intra", "inter", "both"),
-                     [THROUGHPUT, ("encoder_load_imbalance",
-                                   "encoder load imbalance (dimensionless)", 1.0)],
+                     [THROUGHPUT, ("encoder_load_imbalance", "encoder imbalance (max/mean ratio)", 1.0),
+                      ("bubble_fraction", "bubble (% of rank-time)", 100.0)],
                      "Ablation: data reordering", "reorder", "Blues")
 
 
