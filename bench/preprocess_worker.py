@@ -2,7 +2,7 @@
 
 Binds a ZeroMQ ROUTER socket (port chosen by the OS), prints `READY tcp://HOST:PORT` on
 stdout once the dataset is open, then serves `load` requests from any number of trainers
-(see bench.preprocess for the wire format). The main thread owns the socket: it queues
+(see bench.preprocess_wire for the wire format). The main thread owns the socket: it queues
 requests for the loader thread, forwards the loader's encoded replies and sends
 heartbeats to trainers with requests pending. The loader thread decodes JPEGs, tokenizes
 and collates exactly as the trainers would (DatasetReader + collate). The worker exits
@@ -21,19 +21,15 @@ from pathlib import Path
 import torch
 import zmq
 
-from bench.preprocess import ProtocolError, decode_request, encode_microbatch, run_identity
+from bench.preprocess_wire import (HEARTBEAT, ProtocolError, decode_request, encode_error, encode_microbatch,
+                                   run_identity)
 from workloads.loader import DatasetReader
 from workloads.presets import get_workload
 
 _DONE = "inproc://preprocess-done"
-_HEARTBEAT = json.dumps({"type": "heartbeat"}).encode()
 
 
-def _error(request_id, message: str) -> list[bytes]:
-    return [json.dumps({"type": "error", "id": request_id, "message": message[:2000]}).encode()]
-
-
-def _load_loop(ctx: zmq.Context, reader: DatasetReader, seed: int, jobs: queue.Queue) -> None:
+def _load_loop(ctx: zmq.Context, reader: DatasetReader, jobs: queue.Queue) -> None:
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 0)
     out.connect(_DONE)
@@ -45,7 +41,7 @@ def _load_loop(ctx: zmq.Context, reader: DatasetReader, seed: int, jobs: queue.Q
         try:
             frames = encode_microbatch(reader.load_microbatch(req["sample_ids"]), req["id"])
         except Exception as e:       # a bad sample must not kill the worker: the trainer gets the message
-            frames = _error(req["id"], f"{type(e).__name__}: {e}")
+            frames = encode_error(req["id"], f"{type(e).__name__}: {e}")
         out.send_multipart([identity] + frames, copy=False)
     out.close()
 
@@ -70,7 +66,7 @@ def serve(args) -> None:
     done.setsockopt(zmq.LINGER, 0)
     done.bind(_DONE)
     jobs: queue.Queue = queue.Queue()
-    loader = threading.Thread(target=_load_loop, args=(ctx, reader, args.seed, jobs), daemon=True)
+    loader = threading.Thread(target=_load_loop, args=(ctx, reader, jobs), daemon=True)
     loader.start()
 
     print(f"READY tcp://{advertise}:{port}", flush=True)
@@ -105,7 +101,7 @@ def serve(args) -> None:
                     if req["run"] != me:
                         raise ProtocolError(f"this worker serves {me}, the request is for {req['run']}")
                 except ProtocolError as e:
-                    send(identity, _error(_request_id(frames), str(e)))
+                    send(identity, encode_error(_request_id(frames), str(e)))
                     continue
                 pending[identity] = pending.get(identity, 0) + 1
                 jobs.put((identity, req))
@@ -125,7 +121,7 @@ def serve(args) -> None:
         if now >= next_beat:
             next_beat = now + args.heartbeat_s
             for identity in list(pending):
-                send(identity, [_HEARTBEAT])
+                send(identity, [HEARTBEAT])
             if args.parent_pid and os.getppid() != args.parent_pid:
                 break                                   # orphaned: the service that started us is gone
     jobs.put(None)
