@@ -44,7 +44,7 @@ class Stats:
 
 
 def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 1) -> Stats:
-    from bench.sim.simulate import draw_batch
+    from bench.sim.batch import draw_batch
     metas = [m for k in range(num_batches) for m in draw_batch(w, B, seed, k)]
     bc = C.batch_costs(w, metas)
     n = len(metas)
@@ -297,7 +297,8 @@ def best_exact_plan(workload: Workload | str, num_gpus: int, cluster: Cluster | 
     """The best plan of `exact_plans`: all ranked by the closed-form estimate (`estimate_disttrain`),
     the `refine` best re-scored by the exact simulator (one batch, the trainers' data order and
     the cluster's host costs), ties broken by the plan's label: deterministic. None if none fits."""
-    from bench.sim.simulate import layout_label, simulate
+    from bench.sim.layout import layout_label
+    from bench.sim.simulate import simulate
     w, cluster, st = _setup(workload, cluster, seed, global_batch_size, micro_batch_size)
     scored = []
     for plan in exact_plans(w, num_gpus, cluster, st.B, st.mbs, valid, recompute):

@@ -1,0 +1,106 @@
+"""gloo communication between 2 local processes: point-to-point and collectives, fitted as
+latency + bytes / bandwidth (what the simulator's CPU cluster uses)."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from bench.profile_fit import fit_affine
+
+COMM_SIZES = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)   # bytes (64 MiB: a whole small-model buffer)
+
+
+def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    res = {"p2p": [], "allreduce": [], "reduce_scatter": [], "all_gather": []}
+    for size in sizes:
+        t = torch.zeros(max(size // 4, 2), dtype=torch.float32)
+        half = torch.zeros(t.numel() // 2, dtype=torch.float32)
+        t = t[:2 * half.numel()].contiguous()
+        n_iter = iters if size < (4 << 20) else max(3, iters // 6)
+        for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
+            times = []
+            for i in range(n_iter + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if kind == "allreduce":
+                    dist.all_reduce(t)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_tensor(half, t)
+                elif kind == "all_gather":
+                    dist.all_gather_into_tensor(t, half)
+                elif rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+                dt = time.perf_counter() - t0
+                if i >= 2:
+                    times.append(dt / 2 if kind == "p2p" else dt)
+            res[kind].append([t.numel() * 4, statistics.median(times)])
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> dict:
+    """gloo between 2 local processes: p2p one-way latency/bandwidth, 2-rank all-reduce."""
+    import tempfile
+    import torch.multiprocessing as mp
+    from bench.runner import _free_port
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "comm.json"
+        ctx = mp.start_processes(_comm_worker, args=(_free_port(), list(sizes), iters, str(out)), nprocs=2,
+                                 join=False, start_method="spawn")
+        deadline = time.time() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.time() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise RuntimeError("gloo communication measurement timed out")
+        except mp.ProcessException as e:
+            raise RuntimeError(f"gloo communication measurement failed: {e}") from None
+        raw = json.loads(out.read_text())
+    def fit(points):
+        """(latency: median time of the messages <= 4 KiB, seconds per byte: least-squares slope
+        over the messages >= 1 MiB); separate ranges, so neither term swamps the other."""
+        small = [t for n, t in points if n <= 4096]
+        big = [(n, t) for n, t in points if n >= (1 << 20)]
+        lat = float(statistics.median(small)) if small else 0.0
+        if len(big) >= 2:
+            _, slope, _ = fit_affine([n for n, _ in big], [t for _, t in big])
+        elif big:
+            slope = max(big[0][1] - lat, 0.0) / big[0][0]
+        else:
+            slope = 0.0
+        return lat, max(slope, 1e-15)          # bandwidth at most 1 PB/s: finite in JSON
+    p2p_a, p2p_b = fit(raw["p2p"])
+    ar_a, ar_b = fit(raw["allreduce"])
+    shard = {}
+    for kind in ("reduce_scatter", "all_gather"):
+        # ring reduce-scatter / all-gather of `bytes` in all over n = 2 ranks:
+        # (n-1)/n x bytes / bw + (n-1) x latency = bytes / (2 bw) + latency
+        a, b = fit(raw[kind])
+        shard[kind] = {"latency_s": a, "bandwidth_Bps": 0.5 / b, "points": raw[kind],
+                       "method": f"2-rank {kind}_tensor of the whole buffer, fitted as bytes / (2 bw) + latency "
+                                 f"(ring model); megatron's distributed optimizer syncs gradients and parameters "
+                                 f"with these"}
+    # 2-rank ring all-reduce: 2 (n-1)/n x bytes / bw + 2 (n-1) x latency = bytes / bw + 2 latency
+    return {
+        "backend": "gloo", "processes": 2, "iterations": iters,
+        "p2p": {"latency_s": p2p_a, "bandwidth_Bps": 1.0 / p2p_b,
+                "points": raw["p2p"], "method": "ping-pong send/recv, half the round trip; latency: median of the "
+                                                "messages <= 4 KiB, bandwidth: slope over those >= 1 MiB"},
+        "allreduce": {"latency_s": ar_a / 2, "bandwidth_Bps": 1.0 / ar_b,
+                      "points": raw["allreduce"],
+                      "method": "2-rank all_reduce fitted as bytes / bw + 2 x latency (ring model)"},
+        **shard,
+    }
+

@@ -1,0 +1,186 @@
+"""Timing the modules, the optimizer and the data pipeline in one process (a gloo or nccl world of 1)."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+from bench.profile_files import MODULES
+from bench.profile_fit import fit_affine
+
+
+class Timer:
+    def __init__(self, device):
+        import torch
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def now(self) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def init_single_process(device):
+    """A gloo (or nccl) world of 1 and megatron's parallel state at TP = PP = 1; returns a teardown."""
+    import torch
+    import torch.distributed as dist
+    created = False
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        created = True
+    if device.type == "cpu":
+        from systems import cpu_compat
+        cpu_compat.install()
+    else:
+        torch.cuda.set_device(device)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    ps.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+    def teardown():
+        ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+    return teardown
+
+
+def _build(name, w, pg, dtype, device, seed):
+    from systems._disttrain_modules import build_module
+    from systems._disttrain_plan import ModulePlan
+    from systems import _mcore
+    module, config = build_module(name, w, ModulePlan(name, 1, 1, 1, 0), pg, dtype, seed, device)
+    model = _mcore.wrap_ddp(module, config, pg)
+    return module, model, config
+
+
+def load_microbatches(w, cfg_seed: int, mbs: int, count: int, data_root: Path, num_samples: int):
+    from workloads.dataset import ensure_dataset
+    from workloads.loader import DatasetReader, collate
+    path = ensure_dataset(w, data_root, num_samples, cfg_seed)
+    reader = DatasetReader(path, w, cfg_seed)
+    reader.load_sample(0)                          # opens and indexes the shard (once per process)
+    ids = list(range(min(count * mbs, len(reader))))
+    load_times, samples = [], []
+    for i in ids:
+        t0 = time.perf_counter()
+        samples.append(reader.load_sample(i))
+        load_times.append(time.perf_counter() - t0)
+    groups = [samples[k:k + mbs] for k in range(0, len(samples) - mbs + 1, mbs)]
+    collate_times, mbs_out = [], []
+    for g in groups:
+        t0 = time.perf_counter()
+        mbs_out.append(collate(g, w, cfg_seed))
+        collate_times.append(time.perf_counter() - t0)
+    metas = [reader.sample_meta(i) for i in ids]
+    reader.close()
+    return mbs_out, metas, load_times, collate_times, path
+
+
+def _module_flops(w, name, mb_metas) -> float:
+    from workloads.flops import sample_flops
+    return float(sum(getattr(sample_flops(w, m.input_resolutions, m.output_resolutions), name) for m in mb_metas))
+
+
+def _tokens(w, name, mb_metas) -> int:
+    if name == "encoder":
+        return sum(w.image_tokens(r) for m in mb_metas for r in m.input_resolutions)
+    if name == "backbone":
+        return len(mb_metas) * w.backbone.seq_length
+    return sum(w.latent_tokens(r) + w.generator.num_cond_tokens for m in mb_metas for r in m.output_resolutions)
+
+
+def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer):
+    """Per module and microbatch: median forward / backward seconds, activation memory."""
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    built = {n: _build(n, w, pg, dtype, device, seed) for n in MODULES}
+    out = {n: {"fwd": [], "bwd": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
+    mbs_dev = [mb.to(device) for mb in mbs_list]
+
+    def run(mb, record, memory=None):
+        # encoder -> backbone -> generator, each module's input detached (as between ranks)
+        for name in MODULES:
+            _, model, _ = built[name]
+            model.zero_grad_buffer()
+            saved: dict[int, int] = {}
+
+            def pack(t):
+                try:
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                except RuntimeError:
+                    pass
+                return t
+            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if memory is not None
+                     else contextlib.nullcontext())
+            t0 = timer.now()
+            with hooks:
+                if name == "encoder":
+                    y = model(mb)
+                    loss = (y * 1e-3).sum()
+                    canvas = y.detach()
+                elif name == "backbone":
+                    lm, cond = model(mb, canvas)
+                    loss = lm.sum() + (cond * 1e-3).sum()
+                    cond_in = cond.detach()
+                else:
+                    loss = model(mb, cond_in).sum()
+            t1 = timer.now()
+            if loss.requires_grad:
+                loss.backward()
+            t2 = timer.now()
+            if record is not None:
+                record[name]["fwd"].append(t1 - t0)
+                record[name]["bwd"].append(t2 - t1)
+            if memory is not None:
+                memory[name] = sum(saved.values())
+
+    run(mbs_dev[0], None)                        # warm-up (allocator, lazy inits)
+    for k, mb in enumerate(mbs_dev):
+        rec = {n: {"fwd": [], "bwd": []} for n in MODULES}
+        mem: dict[str, int] = {}
+        run(mb, None, mem)                       # untimed: bytes saved for backward
+        for _ in range(repeats):
+            run(mb, rec)
+        mb_metas = metas[k * mbs:(k + 1) * mbs]
+        for n in MODULES:
+            out[n]["fwd"].append(statistics.median(rec[n]["fwd"]))
+            out[n]["bwd"].append(statistics.median(rec[n]["bwd"]))
+            out[n]["mem"].append(mem[n])
+            out[n]["flops"].append(_module_flops(w, n, mb_metas))
+            out[n]["tokens"].append(_tokens(w, n, mb_metas))
+            out[n]["calls"].append({"encoder": len(mb.image_groups), "backbone": 1,
+                                    "generator": len(mb.latent_groups)}[n])
+    params = {n: sum(p.numel() for p in built[n][0].parameters()) for n in MODULES}
+    return out, params, built
+
+
+def time_optimizer(built, repeats, timer) -> dict:
+    """megatron distributed Adam step (finish_grad_sync + step) per module, the way the runs call it."""
+    from systems import _mcore
+    from bench.config import OptimConfig
+    rows = []
+    for name in MODULES:
+        module, model, config = built[name]
+        opt = _mcore.build_optimizer([model], OptimConfig(), next(module.parameters()).dtype)
+        times = []
+        for _ in range(repeats + 1):
+            for p in model.parameters():         # a non-zero gradient in the buffers
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad.fill_(1e-4)
+            t0 = timer.now()
+            model.finish_grad_sync()
+            opt.step()
+            times.append(timer.now() - t0)
+        rows.append((name, sum(p.numel() for p in module.parameters()), statistics.median(times[1:])))
+        del opt
+    a, b, r2 = fit_affine([r[1] for r in rows], [r[2] for r in rows])
+    return {"fixed_s": a, "s_per_param": b, "r2": r2,
+            "points": [{"module": n, "params": p, "step_s": t} for n, p, t in rows],
+            "method": "megatron DistributedOptimizer (Adam) finish_grad_sync + step per module at DP = 1, "
+                      "fitted as fixed + s_per_param x parameters"}
+
