@@ -29,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, module in _extra_commands():
         module.add_parser(sub)
     args = parser.parse_args(argv)
+    from workloads.dataset import DatasetError
     try:
         return _dispatch(args)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

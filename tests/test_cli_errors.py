@@ -30,3 +30,20 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     assert message in lines[0]
     assert "[bench]" not in proc.stdout          # no launch announced
     assert not results.exists()                  # nothing appended
+
+
+def test_corrupt_shard_is_one_line_before_launch(tmp_path):
+    from workloads.dataset import ensure_dataset
+    from workloads.presets import get_workload
+    workload = get_workload("tiny")
+    dataset = ensure_dataset(workload, tmp_path / "data", 32, 1234)
+    shard = sorted(dataset.glob("*.tar"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])            # truncated mid-member
+    results = tmp_path / "r.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--system", "megatron", "--workload", "tiny",
+                           "--set", f"data.root={tmp_path / 'data'}", "--set", "data.num_samples=32",
+                           "--results", str(results)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and shard.name in lines[0], proc.stderr
+    assert "[bench]" not in proc.stdout and not results.exists()
