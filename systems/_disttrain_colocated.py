@@ -107,10 +107,12 @@ class ColocatedRuntime:
             mark("backbone", "fwd", t0)
             t0 = time.perf_counter()
             g = gen(data["generator"][m], cond_in)
+            mark("generator", "fwd", t0)
+            t0 = time.perf_counter()
             if g.requires_grad:
                 (g.sum() * self.scale["generator"]).backward()
             cond_grad = cond_in.grad if cond_in.grad is not None else torch.zeros_like(cond_in)
-            mark("generator", "fwd+bwd", t0)
+            mark("generator", "bwd", t0)
             t0 = time.perf_counter()
             torch.autograd.backward([lm.sum() * self.scale["backbone"], cond_out], [None, cond_grad])
             mark("backbone", "bwd", t0)
@@ -129,7 +131,6 @@ class ColocatedRuntime:
             if not ok:
                 raise RuntimeError(f"{name} optimizer step was skipped (non-finite gradients)")
             busy[name] += time.perf_counter() - t0
-        events = [e | {"kind": "fwd" if e["kind"] == "fwd+bwd" else e["kind"]} for e in events]
         out = StepOutput(module_busy_s=busy, timeline=events)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
