@@ -120,6 +120,8 @@ def scaling(data):
         ticks = sorted(df["num_devices"].unique())
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, labels=[str(int(t)) for t in ticks])
+        if len(ticks) > 3:        # close counts (256, 288) would overlap on a log axis
+            ax.tick_params(axis="x", labelrotation=60, labelsize=8)
         ax.minorticks_off()
         ax.set_ylim(bottom=0)
         ax.set_title(f"{workload} · {PROFILE_SHORT.get(profile, profile)}")
