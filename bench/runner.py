@@ -143,12 +143,3 @@ def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str
     metrics = metrics_from_run(raw, plan, layout)
     steps = [s for s in raw["steps"] if not s["warmup"]]
     return records.build_record(status="ok", steps=steps, metrics=metrics, **common)
-
-
-def skipped(cfg: RunConfig, layout_label: str, reason: str, results: Path = DEFAULT_RESULTS) -> dict:
-    record = records.build_record(run_id=records.new_run_id(), system=cfg.system, workload=cfg.workload,
-                                  data_profile=cfg.data.profile or "", status="skipped", reason=reason,
-                                  layout={"label": layout_label}, num_devices=cfg.nproc, config=cfg.to_dict(),
-                                  env=environment.describe(cfg.device, cfg.nproc, cfg.backend or ""), tags=cfg.tags)
-    records.append_record(record, results)
-    return record
