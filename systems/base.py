@@ -49,6 +49,9 @@ class StepOutput:
 
 class SystemAdapter(ABC):
     name: ClassVar[str]
+    # A monolithic baseline the others are compared against (reports give every other
+    # system's ratio to each baseline); False for the systems under study.
+    baseline: ClassVar[bool] = False
     # Option names this system accepts through `--set`, with defaults.
     options: ClassVar[dict[str, Any]] = {}
 
@@ -94,6 +97,12 @@ def _discover() -> None:
 def system_names() -> list[str]:
     _discover()
     return sorted(_REGISTRY)
+
+
+def baseline_names() -> list[str]:
+    """The registered systems that are baselines, in name order."""
+    _discover()
+    return sorted(n for n, cls in _REGISTRY.items() if cls.baseline)
 
 
 def get_system(name: str) -> SystemAdapter:

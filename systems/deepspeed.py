@@ -64,6 +64,7 @@ def ds_config(*, zero_stage: int, global_batch_size: int, micro_batch_size: int,
 @register
 class DeepSpeedSystem(SystemAdapter):
     name = "deepspeed"
+    baseline = True
     # persistence_threshold: ZeRO-3 only; parameters with at most this many elements stay
     # unpartitioned (DeepSpeed's default). 0 partitions every parameter, even in tiny models.
     options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD}

@@ -39,6 +39,7 @@ def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_s
 @register
 class MegatronSystem(SystemAdapter):
     name = "megatron"
+    baseline = True
     options = {"tp": 1, "pp": 1}
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
