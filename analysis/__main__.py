@@ -1,10 +1,11 @@
-"""python -m analysis report [--results DIR] [--out DIR]"""
+"""python -m analysis report [--results DIR] [--out DIR] [--baseline NAME]"""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
+from analysis.load import BaselineError
 from bench.records import RecordError
 
 
@@ -15,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="redo results/report/report.md and its figures")
     rep.add_argument("--results", default="results", help="folder of *.jsonl records (default: results)")
     rep.add_argument("--out", default=None, help="output folder (default: <results>/report)")
+    rep.add_argument("--baseline", default=None, metavar="NAME",
+                     help="system the speedups divide by (default: the first registered baseline "
+                          "with a successful run; none: speedups are skipped)")
     args = parser.parse_args(argv)
 
     results = Path(args.results)
@@ -23,10 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from analysis.report import write_report  # matplotlib only once arguments are fine
     try:
-        path = write_report(results, args.out)
+        path = write_report(results, args.out, args.baseline)
     except RecordError as e:
         print(f"analysis: malformed record: {e}", file=sys.stderr)
         return 2
+    except BaselineError as e:
+        print(f"analysis: --baseline: {e}", file=sys.stderr)
+        return 1
     text = path.read_text()
     skipped = text.count("*Skipped:")
     print(f"wrote {path} ({skipped} figure(s) skipped for lack of data)")

@@ -44,7 +44,7 @@ def _ablation(data, experiment: str, variant: str, variants: tuple, panels: list
 THROUGHPUT = ("samples_per_s", "throughput (samples/s)", 1.0)
 
 
-@figure("orchestration", "Ablation: DistTrain's searched orchestration plan ('auto') against "
+@figure("orchestration", "Ablation: the searched orchestration plan ('auto') against "
         "a naive plan, same workload and devices (experiment=orchestration).")
 def orchestration(data):
     return _ablation(data, "orchestration", "plan_kind", ("naive", "auto"),

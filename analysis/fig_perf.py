@@ -1,11 +1,11 @@
-"""Headline figures: throughput, MFU, speedup over Megatron, scaling with device count."""
+"""Headline figures: throughput, MFU, speedup over the chosen baseline, scaling with device count."""
 from __future__ import annotations
 
 import pandas as pd
 import seaborn as sns
 from matplotlib.lines import Line2D
 
-from analysis.load import BASELINE, COMPARE_KEYS, WORKLOAD_ORDER, best_layouts
+from analysis.load import WORKLOAD_ORDER, best_layouts
 from analysis.style import (FIGSIZE, PROFILE_SHORT, NoData, bars, figure, legend_handles, mode_title, modes_in,
                             new_figure, panel_legend, system_palette, with_groups)
 
@@ -21,7 +21,8 @@ def headline_groups(best: pd.DataFrame) -> pd.DataFrame:
     return best.merge(pick[keys + ["num_devices"]], on=keys + ["num_devices"])
 
 
-def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, log_ok=True):
+def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, log_ok=True,
+                 skip_annotate=()):
     """One panel per mode (measured above simulated), bars per system grouped by model size."""
     value = headline_groups(value)
     modes = modes_in(value)
@@ -31,7 +32,7 @@ def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, lo
         df, order = with_groups(value[value["mode"] == mode])
         hue_order = [s for s in palette if s in set(df["system"])]
         bars(ax, df, "group", "value", "system", order, hue_order, palette,
-             annotate=annotate, skip_annotate=(BASELINE,))
+             annotate=annotate, skip_annotate=skip_annotate)
         positive = df["value"][df["value"] > 0]
         log = log_ok and len(positive) and positive.max() / positive.min() > 5
         if log:
@@ -69,25 +70,26 @@ def mfu(data):
 
 
 def speedup_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Best layout of each system over the best Megatron layout, per comparison group."""
+    """Best layout of each system with its speedup (runs["speedup"], over the best layout of
+    the baseline chosen at load) as `value`, where its comparison group has that baseline."""
     best = best_layouts(runs)
-    if best.empty:
-        return best
-    base = best[best["system"] == BASELINE].set_index(COMPARE_KEYS)["samples_per_s"]
-    ref = base.reindex(pd.MultiIndex.from_frame(best[COMPARE_KEYS])).to_numpy()
-    out = best.assign(value=best["samples_per_s"].to_numpy() / ref)
-    return out[out["value"].notna()]
+    return best.assign(value=best["speedup"]).dropna(subset=["value"])
 
 
 @figure("speedup", "Throughput of the fastest layout of each system divided by the fastest "
-        "Megatron layout on the same workload, data profile, mode and device count.")
+        "layout of the speedup baseline (`--baseline`; by default the first registered "
+        "baseline with a run) on the same workload, data profile, mode and device count.")
 def speedup(data):
+    base = data.baseline
+    if base is None:
+        raise NoData("no speedup baseline: no registered baseline system has a successful run "
+                     "(name one with --baseline)")
     table = speedup_table(data.runs)
-    if table.empty or (table["system"] != BASELINE).sum() == 0:
-        raise NoData("no workload has both a Megatron run and another system's run "
+    if (table["system"] != base).sum() == 0:
+        raise NoData(f"no workload has both a {base} run and another system's run "
                      "(ok, same data profile, mode and device count)")
-    fig = _system_bars(table, "speedup over Megatron (×)",
-                       "Speedup over the Megatron baseline", annotate="%.2f×", log_ok=False)
+    fig = _system_bars(table, f"speedup over {base} (×)", f"Speedup over the {base} baseline",
+                       annotate="%.2f×", log_ok=False, skip_annotate=(base,))
     for ax in fig.axes:
         ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
         ax.margins(y=0.15)

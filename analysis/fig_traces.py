@@ -7,7 +7,7 @@ import seaborn as sns
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from analysis.load import SYSTEM_ORDER, WORKLOAD_ORDER, ordered
+from analysis.load import WORKLOAD_ORDER, system_order
 from analysis.style import (BUBBLE_COLOR, FIGSIZE, MODULE_COLORS, NoData, figure, new_figure,
                             panel_legend, system_palette)
 
@@ -40,7 +40,7 @@ def loss(data):
     palette = system_palette(runs["system"])
     fig, (ax,) = new_figure()
     k = 0  # lines are drawn widest first, so identical curves nest instead of hiding
-    for system in ordered(runs["system"], SYSTEM_ORDER):
+    for system in palette:  # in system order
         mine = runs[runs["system"] == system].sort_values("layout_label")
         for j, (_, run) in enumerate(mine.iterrows()):
             curve = st[st["run_id"] == run["run_id"]].sort_values("step")
@@ -128,7 +128,7 @@ def timeline(data):
     # The module pipeline's bubbles are the interesting ones: prefer non-colocated layouts.
     colocated = runs["layout_label"].astype(str).str.startswith("colocated")
     runs = runs.assign(_colocated=colocated).sort_values("_colocated", kind="stable").drop_duplicates("system")
-    systems = ordered(runs["system"], SYSTEM_ORDER)[:3]
+    systems = system_order(runs["system"])[:3]
     by_system = runs.set_index("system")
     heights = [len({e["rank"] for e in by_system.loc[s, "timeline"]}) if detailed
                else len(by_system.loc[s, "rank_busy_s"]) for s in systems]

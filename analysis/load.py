@@ -2,6 +2,9 @@
 
 Every line is validated by bench.records; a malformed one raises RecordError naming its file
 and line. Nothing here invents a value: a metric a record lacks stays NaN.
+
+No system is named here: which systems are baselines comes from the system registry, and a
+system the registry does not know (a toy one in a test) is treated as a system under study.
 """
 from __future__ import annotations
 
@@ -12,10 +15,9 @@ import numpy as np
 import pandas as pd
 
 from bench.records import read_records
+from systems.base import baseline_names
 
 WORKLOAD_ORDER = ("tiny", "small", "mllm-9b", "mllm-15b", "mllm-72b")
-SYSTEM_ORDER = ("megatron", "deepspeed", "disttrain")
-BASELINE = "megatron"
 # Columns every runs frame has, whether or not any record carries them.
 RUN_COLUMNS = ("run_id", "mode", "timestamp", "system", "workload", "data_profile", "status",
                "reason", "num_devices", "layout_label", "experiment", "plan_kind", "reorder",
@@ -45,6 +47,11 @@ class Results:
     runs: pd.DataFrame      # one row per record (flattened with pd.json_normalize)
     steps: pd.DataFrame     # one row per step of every record that has steps
     files: list[Path] = field(default_factory=list)
+    baseline: str | None = None  # the system runs["speedup"] divides by; None: no speedups
+
+
+class BaselineError(ValueError):
+    """The requested speedup baseline has no successful record."""
 
 
 def load_records(results_dir: Path | str) -> tuple[list[dict], list[Path]]:
@@ -86,7 +93,7 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
                or c.endswith(("imbalance", "fraction", "_s"))]
     runs[numeric] = runs[numeric].apply(pd.to_numeric, errors="coerce")
     runs["layout_label"] = runs["layout_label"].fillna("?").astype(str)
-    runs["speedup"] = speedup_vs_baseline(runs)
+    runs["speedup"] = np.nan  # load() fills it once the baseline is chosen
     return runs.reset_index(drop=True)
 
 
@@ -106,10 +113,15 @@ def steps_frame(records: list[dict]) -> pd.DataFrame:
     return steps
 
 
-def load(results_dir: Path | str) -> Results:
-    """Both frames from `results_dir/*.jsonl`; raises RecordError on any malformed line."""
+def load(results_dir: Path | str, baseline: str | None = None) -> Results:
+    """Both frames from `results_dir/*.jsonl`, speedups over `baseline` (see pick_baseline).
+
+    Raises RecordError on any malformed line, BaselineError on a baseline without a run."""
     records, files = load_records(results_dir)
-    return Results(runs_frame(records), steps_frame(records), files)
+    runs = runs_frame(records)
+    baseline = pick_baseline(runs, baseline)
+    runs["speedup"] = speedup_vs_baseline(runs, baseline)
+    return Results(runs, steps_frame(records), files, baseline)
 
 
 def ok(runs: pd.DataFrame) -> pd.DataFrame:
@@ -128,11 +140,36 @@ def best_layouts(runs: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFr
     return good.loc[good.groupby(keys, dropna=False)["samples_per_s"].idxmax()].reset_index(drop=True)
 
 
-def speedup_vs_baseline(runs: pd.DataFrame) -> pd.Series:
-    """samples/s of each ok record over the best Megatron layout with the same workload,
-    data profile, mode and device count; NaN where that baseline does not exist."""
+def system_order(systems) -> list[str]:
+    """The distinct systems among `systems`: baselines first, then the systems under study,
+    each part by name. A system the registry does not know is not a baseline."""
+    baselines = set(baseline_names())
+    names = {s for s in systems if pd.notna(s)}
+    return sorted(names, key=lambda s: (s not in baselines, str(s)))
+
+
+def is_baseline(system) -> bool:
+    return system in baseline_names()
+
+
+def pick_baseline(runs: pd.DataFrame, requested: str | None = None) -> str | None:
+    """The system speedups divide by: `requested` (any system with a successful run), else
+    the first registered baseline with a successful run, else None (no speedups)."""
+    present = set(ok(runs)["system"]) if len(runs) else set()
+    if requested is None:
+        return next((b for b in baseline_names() if b in present), None)
+    if requested not in present:
+        have = ", ".join(system_order(present)) or "none"
+        raise BaselineError(f"baseline {requested!r} has no successful record "
+                            f"(systems with one: {have})")
+    return requested
+
+
+def speedup_vs_baseline(runs: pd.DataFrame, baseline: str | None) -> pd.Series:
+    """samples/s of each ok record over the best `baseline` layout with the same workload,
+    data profile, mode and device count; NaN where that baseline run does not exist."""
     good = ok(runs)
-    base = good[good["system"] == BASELINE].groupby(COMPARE_KEYS)["samples_per_s"].max()
+    base = good[good["system"] == baseline].groupby(COMPARE_KEYS)["samples_per_s"].max()
     if base.empty:
         return pd.Series(np.nan, index=runs.index)
     keyed = pd.MultiIndex.from_frame(runs[COMPARE_KEYS])
@@ -143,8 +180,8 @@ def speedup_vs_baseline(runs: pd.DataFrame) -> pd.Series:
 
 
 def sort_key(col: pd.Series) -> pd.Series:
-    """For DataFrame.sort_values(key=...): model size order for workloads, paper order for systems."""
-    order = {"workload": WORKLOAD_ORDER, "system": SYSTEM_ORDER}.get(col.name)
+    """For DataFrame.sort_values(key=...): model size order for workloads, system_order for systems."""
+    order = {"workload": WORKLOAD_ORDER, "system": system_order(col)}.get(col.name)
     if order is None:
         return col
     return col.map(lambda v: f"{order.index(v) if v in order else 99:02d}{v}")

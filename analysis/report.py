@@ -6,10 +6,10 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.figures import Outcome, draw_all
-from analysis.load import VARIANTS, Results, load, sort_key
+from analysis.load import VARIANTS, Results, is_baseline, load, ok, sort_key, system_order
 
 TITLES = {"throughput": "Throughput", "mfu": "Model FLOPs utilization", "speedup":
-          "Speedup over Megatron", "scaling": "Scaling with device count", "orchestration":
+          "Speedup over the baseline", "scaling": "Scaling with device count", "orchestration":
           "Ablation: orchestration plan", "reorder": "Ablation: data reordering", "preprocess":
           "Ablation: data preprocessing", "loss": "Loss curves", "timeline": "Iteration timeline"}
 ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
@@ -40,16 +40,19 @@ def _experiment(run) -> str:
     return f"{name}: {run[variant]}" if variant and pd.notna(run[variant]) else str(name)
 
 
-def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
+def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFrame:
+    """One row per ok run; a "speedup vs <baseline>" column when there is a baseline."""
     okr = runs[runs["status"] == "ok"].sort_values(ORDER, key=sort_key)
-    return pd.DataFrame({
+    table = pd.DataFrame({
         "system": okr["system"], "workload": okr["workload"], "profile": okr["data_profile"],
         "layout": okr["layout_label"], "devices": okr["num_devices"], "mode": okr["mode"],
         "experiment": [_experiment(r) for _, r in okr.iterrows()],
         "samples/s": okr["samples_per_s"].map(_num(".4g")),
         "MFU %": (okr["mfu"] * 100).map(_num(".3g")),
-        "speedup vs megatron": okr["speedup"].map(lambda v: "—" if pd.isna(v) else f"{v:.2f}×"),
     })
+    if baseline is not None:
+        table[f"speedup vs {baseline}"] = okr["speedup"].map(lambda v: "—" if pd.isna(v) else f"{v:.2f}×")
+    return table
 
 
 def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -96,26 +99,45 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
     return md
 
 
+def _ratio_lines(best: pd.DataFrame) -> list[str]:
+    """'<system> throughput ratio: 1.02× b1, 1.30× b2.' for each system under study in one
+    comparison group (best: fastest run per system, indexed by system) against each baseline."""
+    order = system_order(best.index)
+    baselines = [s for s in order if is_baseline(s)]
+    if not baselines:
+        return []
+    lines = []
+    for system in (s for s in order if s not in baselines):
+        ours = best.loc[system, "samples_per_s"]
+        ratios = [f"{ours / best.loc[b, 'samples_per_s']:.2f}× {b}" for b in baselines]
+        lines += [f"{system} throughput ratio: " + ", ".join(ratios) + ".", ""]
+    return lines
+
+
 def headline_section(runs: pd.DataFrame) -> list[str]:
-    """The main comparison (tag experiment=main): each system's fastest layout, and the
-    DistTrain/baseline throughput ratios measured side by side in one sweep."""
-    main = runs[(runs["status"] == "ok") & (runs["experiment"] == "main")]
+    """The main comparison (tag experiment=main): each system's fastest layout, and each
+    system under study's throughput ratio to each baseline, measured side by side in one sweep."""
+    main = ok(runs[runs["experiment"] == "main"])
     if main.empty:
         return []
     md = ["## Headline: the main comparison", ""]
     for (workload, profile, mode, devices), group in main.groupby(
             ["workload", "data_profile", "mode", "num_devices"], sort=False):
         best = group.loc[group.groupby("system")["samples_per_s"].idxmax()].set_index("system")
+        best = best.loc[system_order(best.index)]
         md += [f"{workload} · {profile} · {devices} devices ({mode}):", ""]
         rows = [{"system": s, "best layout": r["layout_label"], "samples/s": f"{r['samples_per_s']:.4g}",
                  "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
-        md += _table(pd.DataFrame(rows)) + [""]
-        if "disttrain" in best.index:
-            ours = best.loc["disttrain", "samples_per_s"]
-            ratios = [f"{ours / best.loc[b, 'samples_per_s']:.2f}× {b}" for b in ("megatron", "deepspeed")
-                      if b in best.index]
-            md += ["DistTrain throughput ratio: " + ", ".join(ratios) + ".", ""]
+        md += _table(pd.DataFrame(rows)) + [""] + _ratio_lines(best)
     return md
+
+
+def _speedup_note(baseline: str | None) -> str:
+    if baseline is None:
+        return ("No speedup is given: no registered baseline system has a successful run "
+                "(`--baseline NAME` picks any system that has one).")
+    return (f"Speedup divides a run's samples/s by the best {baseline} layout with the same "
+            "workload, data profile, mode and device count (`--baseline NAME` picks another).")
 
 
 def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
@@ -129,17 +151,17 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
              + ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) if len(runs) else "")
           + ".", "",
           "Simulated results come from a cost model, not from training; they are labelled "
-          "*simulated* (hatched bars, dashed lines, separate panels). Speedup divides a run's "
-          "samples/s by the best Megatron layout with the same workload, data profile, mode "
-          "and device count.", "", "## Summary of successful runs", ""]
-    table = summary_table(runs)
+          "*simulated* (hatched bars, dashed lines, separate panels). "
+          + _speedup_note(data.baseline), "", "## Summary of successful runs", ""]
+    table = summary_table(runs, data.baseline)
     md = md[:-2] + headline_section(runs) + md[-2:]
     md += _table(table) if len(table) else ["No successful run."]
     md += ["", "## Figures", ""]
+    titles = {**TITLES, **({"speedup": f"Speedup over {data.baseline}"} if data.baseline else {})}
     for o in outcomes:
-        md += [f"### {TITLES.get(o.name, o.name)}", ""]
+        md += [f"### {titles.get(o.name, o.name)}", ""]
         if o.path is not None:
-            md += [f"![{TITLES.get(o.name, o.name)}]({o.path.name})", "", o.caption, ""]
+            md += [f"![{titles.get(o.name, o.name)}]({o.path.name})", "", o.caption, ""]
         else:
             md += [f"*Skipped: {o.skipped}.* ({o.caption})", ""]
     md += validation_section(runs)
@@ -154,11 +176,14 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
     return "\n".join(md) + "\n"
 
 
-def write_report(results_dir: Path | str = "results", out_dir: Path | str | None = None) -> Path:
-    """Load, draw and write `out_dir/report.md` (default `<results_dir>/report`); returns its path."""
+def write_report(results_dir: Path | str = "results", out_dir: Path | str | None = None,
+                 baseline: str | None = None) -> Path:
+    """Load, draw and write `out_dir/report.md` (default `<results_dir>/report`); returns its path.
+
+    `baseline`: the system speedups divide by (default: see analysis.load.pick_baseline)."""
     results_dir = Path(results_dir)
     out_dir = Path(out_dir) if out_dir is not None else results_dir / "report"
-    data = load(results_dir)
+    data = load(results_dir, baseline)
     outcomes = draw_all(data, out_dir)
     path = out_dir / "report.md"
     path.write_text(render(data, outcomes, results_dir))

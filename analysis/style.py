@@ -16,7 +16,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from analysis.load import SYSTEM_ORDER, WORKLOAD_ORDER, ordered  # noqa: E402
+from analysis.load import WORKLOAD_ORDER, system_order  # noqa: E402
+from systems.base import baseline_names, system_names  # noqa: E402
 
 FIGSIZE = (7, 4)
 DPI = 140
@@ -25,7 +26,10 @@ RC = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labels
       "figure.titlesize": 12, "hatch.linewidth": 0.8, "savefig.dpi": DPI, "figure.dpi": DPI}
 SIM_HATCH = "///"
 _BASE = sns.color_palette("colorblind")
-SYSTEM_COLORS = {"megatron": _BASE[7], "deepspeed": _BASE[1], "disttrain": _BASE[2]}
+# Baselines and systems under study each walk their own part of the palette, so the two
+# never share a color.
+BASELINE_COLORS = [_BASE[i] for i in (1, 7, 5, 8)]
+STUDY_COLORS = [_BASE[i] for i in (2, 0, 3, 4, 6, 9)]
 MODULE_COLORS = {"encoder": _BASE[0], "backbone": _BASE[1], "generator": _BASE[2]}
 BUBBLE_COLOR = "#f2c4c4"
 PROFILE_SHORT = {"uniform": "uniform", "heterogeneous": "hetero"}
@@ -53,8 +57,16 @@ def figure(name: str, caption: str):
 
 
 def system_palette(systems) -> dict:
-    extra = iter(c for c in _BASE if c not in SYSTEM_COLORS.values())
-    return {s: SYSTEM_COLORS.get(s) or next(extra) for s in ordered(systems, SYSTEM_ORDER)}
+    """System -> color for the distinct `systems`, in system_order. Colors are dealt over every
+    registered system too, so a registered system keeps its color in every figure; an
+    unregistered one (a system under study) follows them in name order."""
+    baselines = set(baseline_names())
+    everyone = system_order([*system_names(), *systems])
+    colors = {}
+    for walk, part in ((BASELINE_COLORS, [s for s in everyone if s in baselines]),
+                       (STUDY_COLORS, [s for s in everyone if s not in baselines])):
+        colors.update({s: walk[i % len(walk)] for i, s in enumerate(part)})
+    return {s: colors[s] for s in system_order(systems)}
 
 
 def group_label(row, with_system: bool = False, with_mode: bool = False) -> str:

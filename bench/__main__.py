@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 def _extra_commands():
     """Subcommands that live in their own modules (profiler, simulator)."""
     import importlib
-    for name in ("bench.profile", "bench.simulate_cli", "bench.validate"):
+    for name in ("bench.profile.profiler", "bench.sim.cli", "bench.sim.validate"):
         try:
             yield name, importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -49,7 +49,7 @@ def _extra_commands():
 
 
 def _dispatch(args) -> int:
-    from bench import runner
+    from bench.run import runner
     results = args.results or runner.DEFAULT_RESULTS
     if args.command == "run":
         from bench.config import parse_sets, resolve
@@ -59,7 +59,7 @@ def _dispatch(args) -> int:
         record = runner.run(cfg, layout, results, args.wandb_mode)
         return 0 if record["status"] == "ok" else 1
     if args.command == "sweep":
-        from bench.sweep import run_sweep
+        from bench.run.sweep import run_sweep
         return run_sweep(args.file, results, args.wandb_mode)
     return args.handler(args, results)
 

@@ -14,7 +14,7 @@ PACKAGES = ("torch", "megatron-core", "deepspeed", "wandb", "pyzmq", "numpy", "p
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -49,7 +49,7 @@ def describe(device: str, world_size: int, backend: str) -> dict:
         if torch.cuda.is_available():
             gpu = {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
     return {
-        "packages": {p: _version(p) for p in PACKAGES},
+        "packages": {p: package_version(p) for p in PACKAGES},
         "python": sys.version.split()[0],
         "git_commit": git_commit(),
         "hardware": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "gpu": gpu,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.config import resolve
-from bench.runner import run
+from bench.run.runner import run
 
 FAST = {"warmup": 0, "steps": 5, "data.num_samples": 64}
 

@@ -15,7 +15,9 @@ from analysis import load as load_mod  # noqa: E402
 from analysis.__main__ import main  # noqa: E402
 from analysis.figures import FIGURES, NoData, draw_all  # noqa: E402
 from analysis.report import write_report  # noqa: E402
+from analysis.style import system_palette  # noqa: E402
 from bench.records import RecordError, build_record  # noqa: E402
+from systems.base import baseline_names, system_names  # noqa: E402
 
 SYSTEM_SPEED = {"megatron": 1.0, "deepspeed": 0.9, "disttrain": 1.45}
 LAYOUTS = {"megatron": ["tp1-pp1-dp{n}", "tp2-pp1-dp{h}"], "deepspeed": ["zero2-dp{n}"],
@@ -133,17 +135,41 @@ def test_runs_frame_one_row_per_record(data, results):
     assert sorted(runs.loc[runs["experiment"] == "reorder", "reorder"]) == ["both", "inter", "intra", "none"]
 
 
+def _tiny_speedups(runs) -> dict:
+    main_tiny = runs[(runs["workload"] == "tiny") & (runs["num_devices"] == 2)]
+    return main_tiny.groupby("system")["speedup"].max().to_dict()
+
+
 def test_steps_frame_and_speedup(data, results):
     measured_ok = [r for r in results[1] if r["mode"] == "measured" and r["status"] == "ok"]
     assert len(data.steps) == sum(len(r["steps"]) for r in measured_ok)
     assert {"run_id", "system", "step", "loss", "lm_loss", "timeline"} <= set(data.steps.columns)
-    runs = data.runs
-    main_tiny = runs[(runs["workload"] == "tiny") & (runs["num_devices"] == 2)]
-    best_megatron = main_tiny[main_tiny["system"] == "megatron"]["speedup"].max()
-    assert best_megatron == pytest.approx(1.0)
-    disttrain = main_tiny[main_tiny["system"] == "disttrain"]["speedup"].iloc[0]
-    assert disttrain == pytest.approx(1.45)
-    assert runs[runs["status"] != "ok"]["speedup"].isna().all()
+    # By default speedups divide by the first registered baseline that has a run.
+    assert data.baseline == baseline_names()[0]
+    speedups = _tiny_speedups(data.runs)
+    base = SYSTEM_SPEED[data.baseline]
+    assert speedups == pytest.approx({s: v / base for s, v in SYSTEM_SPEED.items()})
+    assert data.runs[data.runs["status"] != "ok"]["speedup"].isna().all()
+
+
+def test_baseline_option_changes_the_speedup_reference(results, tmp_path, capsys):
+    data = load_mod.load(results[0], baseline="megatron")
+    assert data.baseline == "megatron"
+    expected = {"megatron": 1.0, "deepspeed": 0.9, "disttrain": 1.45}
+    assert _tiny_speedups(data.runs) == pytest.approx(expected)
+    # Any system with a successful run may be the reference, not only a registered baseline.
+    assert load_mod.load(results[0], baseline="disttrain").baseline == "disttrain"
+    with pytest.raises(load_mod.BaselineError, match="nosuch"):
+        load_mod.load(results[0], baseline="nosuch")
+    out = tmp_path / "o"
+    assert main(["report", "--results", str(results[0]), "--out", str(out), "--baseline", "megatron"]) == 0
+    text = (out / "report.md").read_text()
+    assert "speedup vs megatron" in text and "speedup vs deepspeed" not in text
+    assert "### Speedup over megatron" in text and "(speedup.png)" in text
+    capsys.readouterr()
+    assert main(["report", "--results", str(results[0]), "--out", str(out), "--baseline", "nosuch"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nosuch" in err and "megatron" in err
 
 
 UNIT = re.compile(r"\(.+\)")
@@ -198,7 +224,7 @@ def test_timeline_falls_back_to_busy_idle_bars(tmp_path):
 
 def test_report_written_and_references_existing_pngs(results, tmp_path):
     out = tmp_path / "report"
-    path = write_report(results[0], out)
+    path = write_report(results[0], out, baseline="megatron")
     text = path.read_text()
     pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
     assert len(pngs) == len(FIGURES)  # every figure has data in the synthetic set
@@ -242,3 +268,52 @@ def test_headline_ratios_come_from_the_main_runs(data):
     assert "## Headline" in text
     assert f"{best['disttrain'] / best['megatron']:.2f}× megatron" in text
     assert f"{best['disttrain'] / best['deepspeed']:.2f}× deepspeed" in text
+
+
+TOY = "toy-dp"  # a system defined only in this test, never registered
+
+
+def toy_records() -> list[dict]:
+    """The three registered systems plus an unregistered one, in the main comparison and scaling."""
+    recs, i = [], iter(range(1000))
+    for system, speed in (*SYSTEM_SPEED.items(), (TOY, 1.2)):
+        layout = "toy-layout" if system == TOY else None
+        recs.append(_record(next(i), system, "small", 4, speed=speed, layout=layout))
+        for n in (1, 2):
+            recs.append(_record(next(i), system, "tiny", n, speed=speed, layout=layout, exp="scaling"))
+    return recs
+
+
+def test_unregistered_system_is_ordered_colored_and_reported(tmp_path):
+    assert TOY not in system_names()
+    d = tmp_path / "results"
+    write_results(d, toy_records())
+    data = load_mod.load(d)
+    # Baselines first, then the systems under study (registered or not), each by name.
+    assert load_mod.system_order(data.runs["system"]) == [*baseline_names(), "disttrain", TOY]
+    palette = system_palette(data.runs["system"])
+    assert list(palette) == load_mod.system_order(data.runs["system"])
+    assert len(set(palette.values())) == len(palette)
+    # A registered system keeps its color whatever else a figure shows.
+    assert system_palette(["disttrain"])["disttrain"] == palette["disttrain"]
+    text = write_report(d, tmp_path / "out").read_text()
+    assert "*Skipped:" not in text.split("## Figures")[1].split("### Ablation")[0]
+    assert f"| {TOY} | small |" in text
+    best = data.runs[data.runs["experiment"] == "main"].groupby("system")["samples_per_s"].max()
+    ratios = ", ".join(f"{best[TOY] / best[b]:.2f}× {b}" for b in baseline_names())
+    assert f"{TOY} throughput ratio: {ratios}." in text
+    assert "disttrain throughput ratio:" in text and "megatron throughput ratio" not in text
+
+
+def test_no_baseline_skips_speedups_with_a_note(tmp_path, capsys):
+    d = tmp_path / "results"
+    write_results(d, [r for r in toy_records() if r["system"] not in baseline_names()])
+    data = load_mod.load(d)
+    assert data.baseline is None and data.runs["speedup"].isna().all()
+    with pytest.raises(NoData, match="--baseline"):
+        FIGURES["speedup"](data)
+    text = write_report(d, tmp_path / "out").read_text()
+    assert "No speedup is given" in text and "speedup vs" not in text
+    assert "throughput ratio" not in text  # no baseline to compare against
+    assert main(["report", "--results", str(d), "--out", str(tmp_path / "o"), "--baseline", TOY]) == 0
+    assert f"speedup vs {TOY}" in (tmp_path / "o" / "report.md").read_text()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.config import resolve
-from bench.runner import run
+from bench.run.runner import run
 from systems.base import ConfigError
 
 STEPS = 5

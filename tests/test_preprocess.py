@@ -14,8 +14,8 @@ import torch
 import zmq
 
 from bench.config import resolve
-from bench.data_source import ColocatedSource, DataPlan
-from bench.preprocess import (DisaggregatedSource, PreprocessService, ProtocolError, decode_microbatch,
+from bench.data.source import ColocatedSource, DataPlan
+from bench.preprocess.service import (DisaggregatedSource, PreprocessService, ProtocolError, decode_microbatch,
                               encode_microbatch, encode_request, preprocess_service, run_identity)
 from workloads.dataset import ensure_dataset
 from workloads.loader import DatasetReader
@@ -293,7 +293,7 @@ def test_worker_start_failure_is_reported(tmp_path):
 
 @pytest.mark.multiprocess
 def test_runner_end_to_end(tmp_path):
-    from bench.runner import run
+    from bench.run.runner import run
     cfg, layout = resolve("megatron", "tiny", 2, {"data.preprocess": "disaggregated", "warmup": 1, "steps": 3})
     record = run(cfg, layout, results=tmp_path / "r.jsonl", wandb_mode="disabled", quiet=True)
     assert record["status"] == "ok", record.get("reason")

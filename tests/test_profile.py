@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.profile import derive_profile, fit_affine, fit_linear_nonneg, load_profile
+from bench.profile.profiler import derive_profile, fit_affine, fit_linear_nonneg, load_profile
 
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ("encoder", "backbone", "generator")
@@ -86,7 +86,7 @@ def test_fits():
 
 @pytest.mark.multiprocess
 def test_gloo_comm_measurement():
-    from bench.profile import measure_comm
+    from bench.profile.profiler import measure_comm
     c = measure_comm(iters=3, sizes=(1024, 1 << 20, 4 << 20))
     for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
         assert c[kind]["latency_s"] >= 0 and 0 < c[kind]["bandwidth_Bps"] < 1e15 and len(c[kind]["points"]) == 3

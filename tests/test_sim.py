@@ -354,7 +354,7 @@ def test_shared_vs_uniform_oversubscription():
 
 def test_sweep_simulate_entries(tmp_path):
     from bench.records import read_records
-    from bench.sweep import run_sweep
+    from bench.run.sweep import run_sweep
     toml = tmp_path / "s.toml"
     toml.write_text('[[simulate]]\nsystem = ["megatron", "deepspeed"]\nworkload = "mllm-9b"\ngpus = 16\n'
                     'sets = { global_batch_size = 32, num_batches = 1 }\n')

@@ -8,11 +8,11 @@ import pytest
 from bench.config import resolve
 from bench.records import build_record, new_run_id, read_records, validate_record
 from bench.sim.cluster import cluster_from_profile
-from bench.validate import markdown, simulate_measured, validate
+from bench.sim.validate import markdown, simulate_measured, validate
 
 
 def synthetic_profile(workload: str = "tiny") -> dict:
-    """A profile as bench/profile.py writes it, with round numbers (no measurement)."""
+    """A profile as bench/profile/profiler.py writes it, with round numbers (no measurement)."""
     mods = {n: {"layers": 2, "forward_s": 0.002, "backward_s": 0.004, "forward_s_per_layer": 0.001,
                 "backward_s_per_layer": 0.002, "flops_per_microbatch": 1e8, "achieved_flops": 1e10,
                 "efficiency": 0.2, "overhead_s": 0.002, "rate_flops": 1e10, "activation_bytes": 1 << 20}

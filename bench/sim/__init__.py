@@ -1,7 +1,7 @@
 """Cluster-scale simulator and orchestration optimizer (analytical costs + exact 1F1B schedule).
 
     from bench.sim import simulate, simulate_record, best_plan, best_megatron_layout, CLUSTERS
-    from bench.sim import cluster_from_profile, cpu_cluster   # clusters from bench/profile.py profiles
+    from bench.sim import cluster_from_profile, cpu_cluster   # clusters from bench/profile/profiler.py profiles
 """
 from bench.sim.cluster import CLUSTERS, Cluster, cluster_from_profile, cpu_cluster, get_cluster
 from bench.sim.simulate import simulate, simulate_record

@@ -34,7 +34,7 @@ def _runtime_valid(workload, nproc: int, global_batch_size: int, micro_batch_siz
 def auto_plan(workload, nproc: int, global_batch_size: int, micro_batch_size: int,
               profile_dir: Path | None = None) -> tuple[str, dict]:
     """(plan string for parse_plan, details for Layout.details); ValueError if no plan exists."""
-    from bench.profile import find_profile, load_profile
+    from bench.profile.profiler import find_profile, load_profile
     from bench.sim.cluster import cpu_cluster
     from bench.sim.orchestrator import best_exact_plan
 

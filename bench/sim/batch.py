@@ -14,14 +14,14 @@ from workloads.reorder import split_microbatches
 
 def draw_batch(w: Workload, batch_size: int, seed: int, step: int = 0, num_samples: int | None = None) -> list:
     """Batch `step`: samples step*B .. (step+1)*B - 1, wrapped at `num_samples` (a dataset of that
-    size, as bench.batching.global_batch_ids reads it) when given."""
+    size, as bench.data.batching.global_batch_ids reads it) when given."""
     first = step * batch_size
     ids = [i % num_samples if num_samples else i for i in range(first, first + batch_size)]
     return [plan_sample(w, np.random.default_rng([seed, 1, i]), i) for i in ids]
 
 
 class _MetaReader:
-    """The part of DatasetReader that bench.data_source.DataPlan uses: sample metadata."""
+    """The part of DatasetReader that bench.data.source.DataPlan uses: sample metadata."""
 
     def __init__(self, metas):
         self.metas = metas
@@ -31,12 +31,12 @@ class _MetaReader:
 
 
 class RuntimeOrder:
-    """The trainers' own sample assignment of one batch: bench.data_source.DataPlan (the code the
+    """The trainers' own sample assignment of one batch: bench.data.source.DataPlan (the code the
     runs use) over the batch's metadata, positions 0..B-1. With it the simulator sees exactly
     which samples each rank of each module trains in which microbatch (validation)."""
 
     def __init__(self, w: Workload, metas, mbs: int, policy: str = "none", canonical_groups: int = 1):
-        from bench.data_source import DataPlan
+        from bench.data.source import DataPlan
         self.plan = DataPlan(_MetaReader(list(metas)), w, len(metas), mbs, policy, len(metas), canonical_groups)
 
     def ranks(self, dp: int, mbs: int | None = None) -> list[list[list[int]]]:

@@ -4,7 +4,7 @@ Every number here is an assumption of the simulator and goes into the record ver
 (`Cluster.assumptions()`); for the GPU clusters the sources are datasheet figures, not
 measurements. `cluster_from_profile` builds a cluster from a `python -m bench profile` file
 instead: a GPU's (efficiency measured or derived) or *this CPU's*, where every number is a
-measurement of this machine (bench/profile.py) and the extra host costs a CPU run pays
+measurement of this machine (bench/profile/profiler.py) and the extra host costs a CPU run pays
 (per-call overheads, data preprocessing in the trainer, the optimizer step, processes
 sharing cores) are switched on.
 """
@@ -48,7 +48,7 @@ class Cluster:
     usable_memory_fraction: float = 0.9
     efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     efficiency_source: str = DEFAULT_EFFICIENCY_SOURCE
-    # --- measured-hardware extensions (bench/profile.py); the defaults leave the GPU model as it is.
+    # --- measured-hardware extensions (bench/profile/profiler.py); the defaults leave the GPU model as it is.
     # A measured peak (a CPU has no datasheet row): replaces PEAK_FLOPS[gpu][dtype] when set.
     peak_flops_measured: float | None = None
     peak_flops_measured_source: str = ""
@@ -159,7 +159,7 @@ def _physical_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 # What `cpu_cluster` assumes when no profile of this machine exists (order of magnitude of
-# what bench/profile.py measured on a 2-core AMD EPYC VM, fp32, 1 thread per process:
+# what bench/profile/profiler.py measured on a 2-core AMD EPYC VM, fp32, 1 thread per process:
 # 20-70 GFLOP/s per core, gloo on loopback ~100 us and ~1-3 GB/s). Only plan=auto uses it.
 CPU_DEFAULTS = {
     "peak_flops": 50e9, "efficiency": {"encoder": 0.8, "backbone": 1.0, "generator": 0.8},
@@ -190,7 +190,7 @@ def cpu_cluster(processes: int, cores: int | None = None, profile: dict | None =
 
 def cluster_from_profile(profile: dict, processes: int | None = None, cores: int | None = None,
                          oversubscription: str | None = "shared") -> Cluster:
-    """A cluster from a bench/profile.py profile.
+    """A cluster from a bench/profile/profiler.py profile.
 
     Derived (GPU spec) profiles: that GPU's datasheet cluster with the profile's per-module
     efficiency. Measured CPU profiles: `processes` gloo ranks on this node; per-module rate

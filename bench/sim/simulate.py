@@ -46,7 +46,7 @@ def simulate(workload: Workload | str, system: str, layout: dict, num_gpus: int,
 
     data_order None: the simulator's own assignment (reordered when `reorder`); a policy of
     bench.config.REORDER_CHOICES ("none", "intra", ...): the trainers' own assignment with that
-    policy (bench.data_source.DataPlan), which validation against measured runs uses.
+    policy (bench.data.source.DataPlan), which validation against measured runs uses.
     """
     w = get_workload(workload) if isinstance(workload, str) else workload
     cluster = get_cluster(cluster)

@@ -1,8 +1,8 @@
-"""One preprocessing worker: `python -m bench.preprocess_worker --dataset DIR --workload NAME ...`.
+"""One preprocessing worker: `python -m bench.preprocess.worker --dataset DIR --workload NAME ...`.
 
 Binds a ZeroMQ ROUTER socket (port chosen by the OS), prints `READY tcp://HOST:PORT` on
 stdout once the dataset is open, then serves `load` requests from any number of trainers
-(see bench.preprocess_wire for the wire format). The main thread owns the socket: it queues
+(see bench.preprocess.wire for the wire format). The main thread owns the socket: it queues
 requests for the loader thread, forwards the loader's encoded replies and sends
 heartbeats to trainers with requests pending. The loader thread decodes JPEGs, tokenizes
 and collates exactly as the trainers would (DatasetReader + collate). The worker exits
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from bench.preprocess_wire import (HEARTBEAT, ProtocolError, decode_request, encode_error, encode_microbatch,
+from bench.preprocess.wire import (HEARTBEAT, ProtocolError, decode_request, encode_error, encode_microbatch,
                                    run_identity)
 from workloads.loader import DatasetReader
 from workloads.presets import get_workload
@@ -138,7 +138,7 @@ def _request_id(frames):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.preprocess_worker")
+    p = argparse.ArgumentParser(prog="python -m bench.preprocess.worker")
     p.add_argument("--dataset", type=Path, required=True)
     p.add_argument("--workload", required=True)
     p.add_argument("--profile", default="")

@@ -35,7 +35,7 @@ class TrainContext:
     device: torch.device
     dtype: torch.dtype
     data: object          # ColocatedSource or DisaggregatedSource
-    plan: object          # bench.data_source.DataPlan
+    plan: object          # bench.data.source.DataPlan
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -58,13 +58,13 @@ def _peak_memory_gib(device: torch.device) -> float:
 
 
 def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank: int, layout: Layout):
-    from bench.data_source import ColocatedSource, DataPlan
+    from bench.data.source import ColocatedSource, DataPlan
     from workloads.loader import DatasetReader
     reader = DatasetReader(dataset, workload, cfg.seed)
     plan = DataPlan(reader, workload, cfg.global_batch_size, cfg.micro_batch_size, cfg.data.reorder,
                     cfg.data.num_samples, layout.details.get("canonical_groups", 1))
     if cfg.data.preprocess == "disaggregated":
-        from bench.preprocess import DisaggregatedSource
+        from bench.preprocess.service import DisaggregatedSource
         return DisaggregatedSource(plan, cfg, dataset, device, rank), plan
     return ColocatedSource(plan, cfg.seed, device), plan
 

@@ -1,7 +1,7 @@
 """Microbatches for a trainer rank: the data plan plus preprocessing, timed.
 
 `ColocatedSource` decodes and preprocesses inside the trainer process (Megatron-LM's usual
-setup). A disaggregated source (bench.preprocess) has the same interface but receives
+setup). A disaggregated source (bench.preprocess.service) has the same interface but receives
 ready tensors from separate worker processes. Either way `wait_s` is the time the trainer
 spent waiting for data, so records can report `data_wait_fraction`.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
-from bench.batching import assign, global_batch_ids, sample_costs
+from bench.data.batching import assign, global_batch_ids, sample_costs
 from workloads.batch import MicroBatch
 from workloads.loader import DatasetReader, collate
 

@@ -127,7 +127,7 @@ def _parse_plan_loose(text: str, colocated: bool):
 
 
 def build_cluster(spec: list[str], workload: str, gpus: int):
-    from bench.profile import find_profile, load_profile
+    from bench.profile.profiler import find_profile, load_profile
     from bench.sim.cluster import CLUSTERS, cluster_from_profile, cpu_cluster
     name = spec[0]
     if len(spec) > 2 or (len(spec) == 2 and name != "cpu-profile"):

@@ -1,7 +1,7 @@
 """The trainer's side of disaggregated preprocessing: `DisaggregatedSource`.
 
 Same interface as `ColocatedSource`, but it asks the preprocessing workers (started by
-bench.preprocess) for the sample ids of its microbatches, `data.prefetch` requests ahead
+bench.preprocess.service) for the sample ids of its microbatches, `data.prefetch` requests ahead
 (the next step's included, so preprocessing overlaps training), and tells a dead worker
 apart from a slow one by its heartbeats.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from bench.preprocess_wire import (ENDPOINTS_ENV, TIMEOUT_ENV, ProtocolError, decode_microbatch, default_timeout_s,
+from bench.preprocess.wire import (ENDPOINTS_ENV, TIMEOUT_ENV, ProtocolError, decode_microbatch, default_timeout_s,
                                    encode_request, parse_header, run_identity)
 from workloads.batch import MicroBatch
 

@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.profile_fit import fit_affine
+from bench.profile.fit import fit_affine
 
 COMM_SIZES = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)   # bytes (64 MiB: a whole small-model buffer)
 
@@ -53,10 +53,10 @@ def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> di
     """gloo between 2 local processes: p2p one-way latency/bandwidth, 2-rank all-reduce."""
     import tempfile
     import torch.multiprocessing as mp
-    from bench.runner import _free_port
+    from bench.run.runner import free_port
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "comm.json"
-        ctx = mp.start_processes(_comm_worker, args=(_free_port(), list(sizes), iters, str(out)), nprocs=2,
+        ctx = mp.start_processes(_comm_worker, args=(free_port(), list(sizes), iters, str(out)), nprocs=2,
                                  join=False, start_method="spawn")
         deadline = time.time() + timeout
         try:

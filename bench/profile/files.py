@@ -45,8 +45,8 @@ def load_profile(path: Path | str) -> dict:
 
 
 def versions() -> dict:
-    from bench.environment import _version
-    return {"python": sys.version.split()[0], **{p: _version(p) for p in ("torch", "megatron-core", "numpy")},
+    from bench.environment import package_version
+    return {"python": sys.version.split()[0], **{p: package_version(p) for p in ("torch", "megatron-core", "numpy")},
             "git_commit": environment.git_commit()}
 
 

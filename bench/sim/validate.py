@@ -189,7 +189,7 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
 
 def get_profile(workload: str, measure_missing: bool = True, log=print,
                 profile_dir: Path | None = None) -> tuple[dict | None, str | None]:
-    from bench.profile import default_path, find_profile, load_profile, profile_workload, write_profile
+    from bench.profile.profiler import default_path, find_profile, load_profile, profile_workload, write_profile
     path = find_profile(workload, "cpu", profile_dir)
     if path is None:
         if not measure_missing:

@@ -19,7 +19,7 @@ REPO = environment.REPO
 DEFAULT_RESULTS = REPO / "results" / "runs.jsonl"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -28,13 +28,13 @@ def _free_port() -> int:
 def torchrun_command(cfg: RunConfig, config_file: Path, dataset: Path, out: Path, port: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
             "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-            "-m", "bench.worker", "--config", str(config_file), "--dataset", str(dataset), "--out", str(out)]
+            "-m", "bench.run.worker", "--config", str(config_file), "--dataset", str(dataset), "--out", str(out)]
 
 
 def multinode_hint(cfg: RunConfig, nodes_hint: int = 2) -> str:
     per_node = max(1, cfg.nproc // nodes_hint)
     return (f"torchrun --nnodes={nodes_hint} --nproc-per-node={per_node} --node-rank=$NODE_RANK "
-            f"--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 -m bench.worker "
+            f"--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 -m bench.run.worker "
             f"--config CONFIG.json --dataset DATASET_DIR --out RESULT.json")
 
 
@@ -58,7 +58,7 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_file.write_text(dumps(cfg))
-        cmd = torchrun_command(cfg, config_file, dataset, out, _free_port())
+        cmd = torchrun_command(cfg, config_file, dataset, out, free_port())
         print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
               f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
               flush=True)
@@ -69,7 +69,7 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
         raw = json.loads(out.read_text()) if rc == 0 and out.exists() else None
     record = _record(cfg, layout, run_id, raw, rc, tail, dataset)
     records.append_record(record, results)
-    from bench import wandb_mirror
+    from bench.run import wandb_mirror
     wandb_mirror.mirror(record, results.parent, wandb_mode)
     status = record["status"] + (f" ({record['reason']})" if record["reason"] else "")
     print(f"[bench] {status}", flush=True)
@@ -80,7 +80,7 @@ def _data_service(cfg: RunConfig, dataset: Path):
     """Disaggregated preprocessing runs in its own processes for the run's lifetime; the
     trainers learn where to find them through the environment variables it yields."""
     if cfg.data.preprocess == "disaggregated":
-        from bench.preprocess import preprocess_service
+        from bench.preprocess.service import preprocess_service
         return preprocess_service(cfg, dataset)
     return contextlib.nullcontext({})
 
@@ -133,8 +133,8 @@ def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str
                   env=environment.describe(cfg.device, cfg.nproc, cfg.backend), tags=cfg.tags)
     if raw is None:
         return records.build_record(status="failed", reason=f"exit code {rc}: {tail}", **common)
-    from bench.data_source import DataPlan
-    from bench.measure import metrics_from_run
+    from bench.data.source import DataPlan
+    from bench.run.measure import metrics_from_run
     from workloads.loader import DatasetReader
     workload = get_workload(cfg.workload, cfg.data.profile)
     plan = DataPlan(DatasetReader(dataset, workload, cfg.seed), workload, cfg.global_batch_size,

@@ -20,7 +20,9 @@ import json
 import tomllib
 from pathlib import Path
 
-from bench import records, runner
+from bench import records
+
+from bench.run import runner
 from bench.config import resolve
 from systems.base import ConfigError
 
@@ -66,7 +68,7 @@ def _key(config: dict) -> str:
 
 
 def run_simulations(entries: list[dict], results: Path) -> int:
-    """[[simulate]] entries: `python -m bench simulate` in a sweep (bench/simulate_cli.py).
+    """[[simulate]] entries: `python -m bench simulate` in a sweep (bench/sim/cli.py).
 
         [[simulate]]                   # list values expand, as in [[run]]
         system = ["megatron", "disttrain"]
@@ -79,7 +81,7 @@ def run_simulations(entries: list[dict], results: Path) -> int:
     Every entry is validated before anything is simulated; an entry already simulated by a
     sweep (same entry, tag sweep_entry) is skipped. Returns the number of skipped (infeasible)."""
     import argparse
-    from bench.simulate_cli import InputError, run as simulate_one, summary
+    from bench.sim.cli import InputError, run as simulate_one, summary
     planned = []
     for i, entry in enumerate(entries):
         for one in expand(entry):

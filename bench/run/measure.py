@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench import batching
+from bench.data import batching
 from bench.metrics import throughput
 from workloads.flops import batch_flops
 

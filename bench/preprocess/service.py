@@ -2,9 +2,9 @@
 
 DistTrain preprocesses on machines of their own and streams ready microbatches to the
 trainers. Here `preprocess_service` starts `data.num_workers` processes
-(`python -m bench.preprocess_worker`), each serving one ZeroMQ ROUTER socket, and
-`DisaggregatedSource` (bench.preprocess_client) is the trainer's side. The wire format
-between them is in bench.preprocess_wire. This module is the public entry point: it
+(`python -m bench.preprocess.worker`), each serving one ZeroMQ ROUTER socket, and
+`DisaggregatedSource` (bench.preprocess.client) is the trainer's side. The wire format
+between them is in bench.preprocess.wire. This module is the public entry point: it
 holds the service and re-exports the rest.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.preprocess_client import DisaggregatedSource
-from bench.preprocess_wire import (DEFAULT_TIMEOUT_S, DTYPES, ENDPOINTS_ENV, MAX_DIMS, MAX_GROUPS,
+from bench.preprocess.client import DisaggregatedSource
+from bench.preprocess.wire import (DEFAULT_TIMEOUT_S, DTYPES, ENDPOINTS_ENV, MAX_DIMS, MAX_GROUPS,
                                    MAX_SAMPLES_PER_REQUEST, PROTOCOL, TIMEOUT_ENV, ProtocolError, decode_microbatch,
                                    decode_request, default_timeout_s, encode_microbatch, encode_request,
                                    parse_header, run_identity, tensor_names)
@@ -68,7 +68,7 @@ class PreprocessService:
 
     def _command(self) -> list[str]:
         c = self.cfg
-        return [sys.executable, "-m", "bench.preprocess_worker", "--dataset", str(self.dataset),
+        return [sys.executable, "-m", "bench.preprocess.worker", "--dataset", str(self.dataset),
                 "--workload", c.workload, "--profile", c.data.profile, "--seed", str(c.seed),
                 "--bind", self.bind, "--advertise", self.advertise, "--heartbeat-s", repr(self.heartbeat_s),
                 "--parent-pid", str(os.getpid())]
