@@ -141,11 +141,11 @@ def best_layouts(runs: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFr
 
 
 def system_order(systems) -> list[str]:
-    """The distinct systems among `systems`: baselines first, then the systems under study,
-    each part by name. A system the registry does not know is not a baseline."""
-    baselines = set(baseline_names())
+    """The distinct systems among `systems`: baselines first (the default reference first),
+    then the systems under study by name. A system the registry does not know is not a baseline."""
+    rank = {b: i for i, b in enumerate(baseline_names())}
     names = {s for s in systems if pd.notna(s)}
-    return sorted(names, key=lambda s: (s not in baselines, str(s)))
+    return sorted(names, key=lambda s: (rank.get(s, len(rank)), str(s)))
 
 
 def is_baseline(system) -> bool:

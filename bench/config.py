@@ -1,7 +1,10 @@
 """Run configuration: typed, resolved before launch, written beside every result.
 
 `--set key=value` overrides with dotted keys: run keys (`steps`, `data.reorder`, ...) are
-checked against this dataclass, anything else must be an option the system declares.
+checked against this dataclass, anything else must be an option the system declares. A system
+option set to "auto" (e.g. `plan=auto`) is replaced here, before launch, by the options of the
+layout the system's own search picks for this machine (bench.sim.auto); the layout records
+that choice.
 """
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from systems.base import ConfigError, Layout, get_system
+from systems.base import ConfigError, Layout, OptimConfig, get_system
 from workloads.presets import get_workload
 
+AUTO = "auto"
 REORDER_CHOICES = ("none", "intra", "inter", "both")
 PREPROCESS_CHOICES = ("colocated", "disaggregated")
 
@@ -27,14 +31,6 @@ class DataConfig:
     reorder: str = "none"
     num_workers: int = 2               # disaggregated preprocessing workers
     prefetch: int = 4                  # microbatches buffered per trainer (backpressure)
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    # Off by default so every system does the same math; Megatron clips when set.
-    clip_grad: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -115,7 +111,7 @@ def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
         elif key in base and key not in ("system", "workload", "nproc", "data", "optim", "options", "tags"):
             base[key] = _coerce(key, value, base[key])
         elif key in options:
-            options[key] = _coerce(key, value, options[key])
+            options[key] = value if value == AUTO else _coerce(key, value, options[key])
         else:
             raise ConfigError(f"unknown key {key!r} for system {system!r}; run keys: "
                               f"{sorted(k for k in base if k not in ('data', 'optim', 'options', 'tags'))}, "
@@ -127,10 +123,18 @@ def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
     base["global_batch_size"] = base["global_batch_size"] or wl.global_batch_size
     base["micro_batch_size"] = base["micro_batch_size"] or wl.micro_batch_size
     base["backend"] = base["backend"] or ("nccl" if base["device"] == "cuda" else "gloo")
+    _check(RunConfig.from_dict(base))
+    workload = wl.with_profile(base["data"]["profile"])
+    choice = None
+    if AUTO in options.values():
+        from bench.sim.auto import auto_options
+        chosen, choice = auto_options(system, workload, nproc, base["global_batch_size"], base["micro_batch_size"])
+        options = {**{k: v for k, v in options.items() if v != AUTO}, **chosen}
+        base["options"] = options
     cfg = RunConfig.from_dict(base)
-    _check(cfg)
-    layout = adapter.layout(cfg.options, cfg.nproc, wl.with_profile(cfg.data.profile),
-                            cfg.global_batch_size, cfg.micro_batch_size)
+    layout = adapter.layout(cfg.options, cfg.nproc, workload, cfg.global_batch_size, cfg.micro_batch_size)
+    if choice is not None:
+        layout = dataclasses.replace(layout, details={**layout.details, "layout_choice": AUTO, "auto": choice})
     return cfg, layout
 
 

@@ -11,11 +11,11 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from workloads.presets import MODULES
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "skipped")
 MODES = ("measured", "simulated")
-MODULES = ("encoder", "backbone", "generator")
 REQUIRED = ("schema_version", "run_id", "mode", "timestamp", "system", "workload", "data_profile",
             "status", "reason", "layout", "num_devices", "steps", "metrics", "config", "env", "tags")
 OK_METRICS = ("samples_per_s", "tokens_per_s", "mfu", "mfu_per_module")

@@ -1,18 +1,32 @@
-"""The interface every system implements, and the registry the runner looks systems up in.
+"""The contract every system implements, and the registry that finds systems by name.
 
-The runner never branches on a system's name: it validates a layout, launches processes and
-calls `setup`, `train_step` and `teardown`. A new system is one new module in systems/ that
-subclasses `SystemAdapter` and decorates itself with `@register`.
+A system is one module (or package) in systems/ that subclasses `SystemAdapter` and decorates
+itself with `@register`. The same adapter serves every path:
+  - `bench run`: `layout()` validates the options before any process starts; inside torchrun
+    the worker calls `setup(ctx)`, `train_step(step)` and `teardown()`;
+  - `bench simulate` / `bench validate`: `layout(..., simulated=True)` and `simulate_step()`,
+    which prices one iteration with the shared cost model handed in as `kit`;
+  - `plan=auto` (any option set to "auto") and `--layout auto`: `search_layout()`.
+Nothing outside systems/ branches on a system's name. Systems never import bench/: the
+simulator passes its cost model in (`kit` is the module bench.sim.kit), so imports go one way.
+
+Systems outside this folder (a user's, or a test's) register by being imported: name their
+modules in BENCH_PLUGINS (comma-separated), which every process of a run inherits.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypedDict
 
 import systems
+from workloads.presets import MODULES, Workload
+
+PLUGINS_ENV = "BENCH_PLUGINS"
+TIMELINE_KINDS = ("fwd", "bwd", "comm", "idle")
 
 
 class ConfigError(ValueError):
@@ -21,15 +35,60 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    label: str                     # short, for tables and figures: "tp2-pp1-dp1"
-    num_devices: int               # devices the run uses (MFU counts all of them)
+    label: str                     # short, one per configuration, the same measured and simulated
+    num_devices: int               # devices the layout uses (MFU counts all of them)
     details: dict[str, Any]        # system-specific: degrees, rank lists, plan
     # Over how many data-parallel ranks each module splits the global batch; the data
     # plan and the load-imbalance metrics are computed per module from it.
     module_dp: dict[str, int] = field(default_factory=dict)
+    # The finest data-parallel split every module's split is a coarsening of: the data plan
+    # assigns samples to this many groups, and each module merges them to its own DP size.
+    canonical_groups: int = 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "num_devices": self.num_devices, "module_dp": self.module_dp, **self.details}
+        return {"label": self.label, "num_devices": self.num_devices, "module_dp": self.module_dp,
+                "canonical_groups": self.canonical_groups, **self.details}
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    # Off by default so every system does the same math; Megatron clips when set.
+    clip_grad: float = 0.0
+
+
+class MicrobatchSource(Protocol):
+    """Where a rank gets its data (bench.data.source): preprocessed in the trainer or streamed
+    from disaggregated preprocessing workers; the same samples either way."""
+    wait_s: float
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int | None = None) -> list: ...
+
+
+@dataclass
+class TrainContext:
+    """What a system's `setup` gets on each rank (built by bench.run.worker)."""
+    options: dict[str, Any]        # the system's resolved options (no "auto" left)
+    seed: int
+    optim: OptimConfig
+    global_batch_size: int
+    micro_batch_size: int
+    workload: Workload
+    layout: Layout
+    rank: int
+    world_size: int
+    device: Any                    # torch.device
+    dtype: Any                     # torch.dtype
+    data: MicrobatchSource
+
+
+class TimelineEvent(TypedDict):
+    """One interval of one rank's last step, for the per-rank timeline figure."""
+    module: str                    # one of MODULES
+    kind: str                      # one of TIMELINE_KINDS
+    start_s: float                 # seconds since the step started on this rank
+    end_s: float
 
 
 @dataclass
@@ -44,7 +103,29 @@ class StepOutput:
     lm_loss_sum: float = 0.0
     gen_loss_sum: float = 0.0
     module_busy_s: dict[str, float] = field(default_factory=dict)   # this rank's compute time per module
-    timeline: list[dict] = field(default_factory=list)             # optional per-rank events
+    timeline: list[TimelineEvent] = field(default_factory=list)     # only if records_timeline
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """One global batch, as the simulator hands it to `simulate_step`."""
+    workload: Workload
+    costs: Any                     # bench.sim.costs.BatchCosts: per-sample, per-image FLOPs and tokens
+    cluster: Any                   # bench.sim.cluster.Cluster
+    micro_batch_size: int
+    reorder: bool                  # the simulator's own reordering (paper-scale what-ifs)
+    runtime_order: Any = None      # bench.sim.batch.RuntimeOrder: the trainers' own assignment, or None
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One simulated iteration of one system."""
+    pipeline_s: float              # forward/backward schedule to the pipeline flush
+    sync_and_host_s: float         # gradient sync, optimizer and host work after the flush
+    busy_device_s: float           # device-seconds of compute (for the bubble fraction)
+    memory_bytes: float            # the most any device holds
+    devices_used: int
+    microbatch_flops: list[list[float]]   # first microbatches' FLOPs per module (encoder, backbone, generator)
 
 
 class SystemAdapter(ABC):
@@ -52,17 +133,26 @@ class SystemAdapter(ABC):
     # A monolithic baseline the others are compared against (reports give every other
     # system's ratio to each baseline); False for the systems under study.
     baseline: ClassVar[bool] = False
+    # Among baselines, the lowest comes first (the default reference of speedups).
+    baseline_order: ClassVar[int] = 100
     # Option names this system accepts through `--set`, with defaults.
     options: ClassVar[dict[str, Any]] = {}
+    # True: the worker gathers StepOutput.timeline of the last step from every rank.
+    records_timeline: ClassVar[bool] = False
 
     @abstractmethod
-    def layout(self, options: dict[str, Any], nproc: int, workload, global_batch_size: int,
-               micro_batch_size: int) -> Layout:
-        """Validate the options for this process count and workload, without processes.
-        Raise ConfigError with a one-line message when they do not fit."""
+    def layout(self, options: dict[str, Any], nproc: int, workload: Workload, global_batch_size: int,
+               micro_batch_size: int, *, simulated: bool = False) -> Layout:
+        """Validate the options for this device count and workload, without processes; raise
+        ConfigError with a one-line message when they do not fit. simulated=True: a layout for
+        the simulator, which may leave devices idle and model what the runtime does not run."""
+
+    def options_from_label(self, label: str) -> dict[str, Any]:
+        """The options whose layout has this label (`bench simulate --layout LABEL`)."""
+        raise ConfigError(f"system {self.name!r} has no layout labels to parse; give its options with --set")
 
     @abstractmethod
-    def setup(self, ctx) -> None:
+    def setup(self, ctx: TrainContext) -> None:
         """Build model, optimizer and process groups on this rank (inside torchrun)."""
 
     @abstractmethod
@@ -71,18 +161,30 @@ class SystemAdapter(ABC):
 
     def weight_updates(self) -> dict[str, float] | None:
         """Optional: this rank's share of the squared weight update per module (see
-        systems._mcore.UpdateTracker); summed over ranks it lets tests compare layouts."""
+        systems.mcore.UpdateTracker); summed over ranks it lets tests compare layouts."""
         return None
 
     def teardown(self) -> None:
         """Release what setup created; must leave no collective in flight."""
+
+    # ---- simulation -------------------------------------------------------------------------
+    def simulate_step(self, layout: Layout, step: SimStep, kit) -> StepCost:
+        """One iteration priced with the shared cost model `kit` (bench.sim.kit)."""
+        raise NotImplementedError(f"system {self.name!r} has no cost model")
+
+    def search_layout(self, workload: Workload, num_devices: int, cluster, kit, *, seed: int,
+                      global_batch_size: int, micro_batch_size: int, exact: bool) -> dict[str, Any] | None:
+        """The options of the fastest layout the cost model finds (plus "estimate_s" and what
+        the search did), or None if nothing fits. exact=True: a layout `bench run` can run on
+        exactly `num_devices` processes (plan=auto); False: any layout of at most that many."""
+        raise ConfigError(f"system {self.name!r} has no layout search; give its layout explicitly")
 
 
 _REGISTRY: dict[str, type[SystemAdapter]] = {}
 
 
 def register(cls: type[SystemAdapter]) -> type[SystemAdapter]:
-    if cls.name in _REGISTRY:
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"system {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
@@ -90,8 +192,13 @@ def register(cls: type[SystemAdapter]) -> type[SystemAdapter]:
 
 def _discover() -> None:
     for info in pkgutil.iter_modules(systems.__path__):
-        if info.name not in ("base", "cpu_compat") and not info.name.startswith("_"):
+        if info.name != "base" and not info.name.startswith("_"):
             importlib.import_module(f"systems.{info.name}")
+    for name in filter(None, (p.strip() for p in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"{PLUGINS_ENV} names {name!r}, which cannot be imported: {e}") from None
 
 
 def system_names() -> list[str]:
@@ -100,9 +207,10 @@ def system_names() -> list[str]:
 
 
 def baseline_names() -> list[str]:
-    """The registered systems that are baselines, in name order."""
+    """The registered baselines, the default reference first."""
     _discover()
-    return sorted(n for n, cls in _REGISTRY.items() if cls.baseline)
+    return sorted((n for n, cls in _REGISTRY.items() if cls.baseline),
+                  key=lambda n: (_REGISTRY[n].baseline_order, n))
 
 
 def get_system(name: str) -> SystemAdapter:
@@ -110,3 +218,7 @@ def get_system(name: str) -> SystemAdapter:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown system {name!r}; choose one of {sorted(_REGISTRY)}")
     return _REGISTRY[name]()
+
+
+__all__ = ["MODULES", "ConfigError", "Layout", "OptimConfig", "TrainContext", "TimelineEvent", "StepOutput",
+           "SimStep", "StepCost", "SystemAdapter", "register", "system_names", "baseline_names", "get_system"]

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess          # every test runs `python -m bench run` in a subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 
 CASES = [

@@ -95,12 +95,13 @@ def test_layout_and_defaults():
     cfg, layout = resolve("deepspeed", "tiny", 2, {})
     assert cfg.options["zero_stage"] == 1
     assert layout.label == "zero1-dp2" and layout.num_devices == 2
-    assert layout.details == {"zero_stage": 1, "dp": 2}
+    assert layout.details == {"zero_stage": 1, "dp": 2, "recompute": False}
     assert layout.module_dp == {"encoder": 2, "backbone": 2, "generator": 2}
     _, layout = resolve("deepspeed", "tiny", 4, {"zero_stage": 3})
-    assert layout.label == "zero3-dp4" and layout.details == {"zero_stage": 3, "dp": 4}
+    assert layout.label == "zero3-dp4" and layout.details == {"zero_stage": 3, "dp": 4, "recompute": False}
 
 
+@pytest.mark.multiprocess
 def test_layout_does_not_import_deepspeed():
     import subprocess
     import sys

@@ -153,6 +153,7 @@ def test_out_of_range_index_refused(microbatch):
 # --------------------------------------------------------------------------- service and source
 
 
+@pytest.mark.multiprocess
 def test_service_binds_loopback(service):
     svc, env = service
     endpoints = env["BENCH_PREPROCESS_ENDPOINTS"].split(",")
@@ -163,6 +164,7 @@ def test_service_binds_loopback(service):
     assert all(p.poll() is None for p in svc.processes)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("reorder", ["none", "both"])
 def test_same_microbatches_as_colocated(service, dataset, reorder):
     _, env = service
@@ -186,6 +188,7 @@ def test_same_microbatches_as_colocated(service, dataset, reorder):
             src.close()
 
 
+@pytest.mark.multiprocess
 def test_prefetch_is_bounded_and_runs_ahead(service, dataset):
     _, env = service
     cfg = _cfg(**{"data.prefetch": 1, "global_batch_size": 16})         # 4 microbatches per rank per step
@@ -216,6 +219,7 @@ def test_prefetch_is_bounded_and_runs_ahead(service, dataset):
         src.microbatches(4, 0, 2)
 
 
+@pytest.mark.multiprocess
 def test_worker_refuses_bad_requests_and_stays_up(service):
     svc, env = service
     ctx = zmq.Context()
@@ -243,6 +247,7 @@ def test_worker_refuses_bad_requests_and_stays_up(service):
     assert all(p.poll() is None for p in svc.processes)
 
 
+@pytest.mark.multiprocess
 def test_dead_worker_fails_fast_with_its_endpoint(dataset):
     cfg = _cfg()
     svc = PreprocessService(cfg, dataset, timeout_s=3.0)
@@ -264,6 +269,7 @@ def test_dead_worker_fails_fast_with_its_endpoint(dataset):
     assert all(p.poll() is not None for p in svc.processes)
 
 
+@pytest.mark.multiprocess
 def test_stop_leaves_no_processes(dataset):
     svc = preprocess_service(_cfg(**{"data.num_workers": 1}), dataset)
     with pytest.raises(KeyError):
@@ -283,6 +289,7 @@ def test_missing_endpoints_is_a_clear_error(dataset, monkeypatch):
         DisaggregatedSource(_plan(cfg, dataset), cfg, dataset, CPU, 0)
 
 
+@pytest.mark.multiprocess
 def test_worker_start_failure_is_reported(tmp_path):
     svc = PreprocessService(_cfg(**{"data.num_workers": 1}), tmp_path / "no-such-dataset")
     with pytest.raises(RuntimeError, match="exited with code"):

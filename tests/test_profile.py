@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from bench.profile.profiler import derive_profile, fit_affine, fit_linear_nonneg, load_profile
+from workloads.presets import MODULES
 
 REPO = Path(__file__).resolve().parent.parent
-MODULES = ("encoder", "backbone", "generator")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def tiny_profile(tmp_path_factory):
     return out
 
 
+@pytest.mark.multiprocess
 def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     p = load_profile(tiny_profile)
     assert p["derived"] is False and p["hardware"]["device"] == "cpu" and p["workload"] == "tiny"
@@ -41,6 +42,7 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     assert p["comm"] is None                                 # --no-comm
 
 
+@pytest.mark.multiprocess
 def test_derived_profile_says_derived(tiny_profile):
     d = derive_profile("mllm-9b", "H100-SXM", efficiency_from=tiny_profile)
     assert d["derived"] is True and d["derived_from"]["profile"] == str(tiny_profile)
@@ -63,6 +65,7 @@ def test_derived_profile_without_measurement_uses_documented_defaults():
         derive_profile("mllm-9b", "B9000")
 
 
+@pytest.mark.multiprocess
 def test_cli_derive_and_bad_input(tmp_path):
     out = tmp_path / "h100.json"
     ok = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "mllm-9b", "--spec", "H100-SXM",

@@ -30,6 +30,7 @@ def _append_many(path, n):
         append_record(_record(), path)
 
 
+@pytest.mark.multiprocess
 def test_concurrent_appends_never_interleave(tmp_path):
     path = tmp_path / "r.jsonl"
     writers = [Process(target=_append_many, args=(path, 30)) for _ in range(4)]

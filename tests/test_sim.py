@@ -11,13 +11,38 @@ import pytest
 from bench.records import validate_record
 from bench.sim import costs as C
 from bench.sim.cluster import CLUSTERS, Cluster, get_cluster
-from bench.sim.orchestrator import (best_megatron_layout, best_plan, brute_force_plan, estimate_megatron,
-                                    work_stats)
+from bench.sim.estimate import work_stats
+from bench.sim.kit import Kit
 from bench.sim.schedule import estimate_1f1b, one_f_one_b, stage_ops
-from bench.sim.simulate import check_layout, simulate, simulate_record
+from bench.sim.simulate import resolve_layout, simulate, simulate_record
+from systems.base import ConfigError
+from systems.disttrain import search as disttrain_search
+from systems.megatron import sim as megatron_sim
 from workloads.presets import get_workload
 
 H100 = CLUSTERS["h100"]
+KIT = Kit(simulate=simulate)
+
+
+def best_plan(workload, gpus, global_batch_size, recompute=(False, True)):
+    w = get_workload(workload)
+    return disttrain_search.best_plan(KIT, w, gpus, H100, work_stats(w, global_batch_size, w.micro_batch_size),
+                                      recompute)
+
+
+def brute_force_plan(workload, gpus, global_batch_size, recompute=(False, True), **kw):
+    w = get_workload(workload)
+    return disttrain_search.brute_force_plan(KIT, w, gpus, H100, work_stats(w, global_batch_size, w.micro_batch_size),
+                                             recompute, **kw)
+
+
+def best_megatron_layout(w, gpus, global_batch_size):
+    return megatron_sim.search(w, gpus, H100, KIT, seed=0, global_batch_size=global_batch_size,
+                               micro_batch_size=w.micro_batch_size, exact=False)
+
+
+def estimate_megatron(w, st, cluster, tp, pp, dp, rc):
+    return megatron_sim.estimate(w, st, cluster, KIT, tp, pp, dp, rc)
 
 
 # ---------------------------------------------------------------- schedule
@@ -115,19 +140,20 @@ def test_infeasible_layouts():
                         global_batch_size=8)["feasible"]
     assert not simulate("mllm-72b", "deepspeed", {"zero_stage": 1}, 8, num_batches=1, global_batch_size=8)["feasible"]
     assert best_plan("mllm-72b", 4, global_batch_size=8) is None
-    assert best_megatron_layout("mllm-72b", 2, global_batch_size=8) is None
+    assert best_megatron_layout(get_workload("mllm-72b"), 2, global_batch_size=8) is None
     w = get_workload("mllm-9b")
-    with pytest.raises(ValueError, match="needs 16 GPUs"):
-        check_layout(w, "megatron", {"tp": 2, "pp": 4, "dp": 2}, 8, 64, 1)
-    with pytest.raises(ValueError):
-        check_layout(w, "megatron", {"tp": 3, "pp": 1, "dp": 1}, 8, 64, 1)
-    with pytest.raises(ValueError):
-        check_layout(w, "disttrain", {"encoder": {"tp": 1, "dp": 1}, "backbone": {"tp": 1, "pp": 3, "dp": 1},
-                                      "generator": {"tp": 1, "dp": 1}}, 8, 64, 1)
+    with pytest.raises(ConfigError, match="= 16 devices"):
+        resolve_layout(w, "megatron", {"tp": 2, "pp": 4, "dp": 2}, 8, 64, 1)
+    with pytest.raises(ConfigError):
+        resolve_layout(w, "megatron", {"tp": 3, "pp": 1, "dp": 1}, 8, 64, 1)
+    with pytest.raises(ConfigError):
+        resolve_layout(w, "disttrain", {"plan": "enc:1x1,llm:1x3x1,gen:1x1"}, 8, 64, 1)
+    with pytest.raises(ConfigError, match="unknown megatron options"):
+        resolve_layout(w, "megatron", {"tq": 2}, 8, 64, 1)
 
 
 def test_infeasible_record_is_skipped_with_reason():
-    r = simulate_record("mllm-72b", "megatron", 8, layout={"tp": 1, "pp": 1, "dp": 8}, num_batches=1,
+    r = simulate_record("mllm-72b", "megatron", 8, options={"tp": 1, "pp": 1, "dp": 8}, num_batches=1,
                         global_batch_size=8)
     assert r["status"] == "skipped" and "GiB" in r["reason"]
     validate_record(r)
@@ -136,7 +162,7 @@ def test_infeasible_record_is_skipped_with_reason():
 # ---------------------------------------------------------------- simulation
 
 def test_simulated_record_is_valid_and_consistent():
-    r = simulate_record("mllm-9b", "disttrain", 16, layout="auto", num_batches=1, global_batch_size=32)
+    r = simulate_record("mllm-9b", "disttrain", 16, options="auto", num_batches=1, global_batch_size=32)
     validate_record(r)
     json.dumps(r, allow_nan=False)
     m = r["metrics"]
@@ -144,7 +170,9 @@ def test_simulated_record_is_valid_and_consistent():
     assert sum(m["mfu_per_module"].values()) == pytest.approx(m["mfu"])
     assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 8192)
     assert 0 < m["mfu"] < 1 and 0 <= m["bubble_fraction"] < 1
-    assert r["layout"]["label"].startswith("enc-") and r["assumptions"]["gpu"] == "H100-SXM"
+    assert r["layout"]["label"].startswith("enc:") and r["assumptions"]["gpu"] == "H100-SXM"
+    assert r["layout"]["label"] == resolve_layout(get_workload("mllm-9b"), "disttrain", r["config"]["options"], 16,
+                                                  32, 1).label     # one label, measured and simulated
 
 
 def test_estimate_is_exact_for_identical_microbatches():
@@ -193,8 +221,7 @@ def test_orchestrator_within_2pct_of_brute_force_simulation():
     kw = dict(global_batch_size=16, recompute=(False,))
     plan = best_plan("mllm-9b", 8, **kw)
     _, brute = brute_force_plan("mllm-9b", 8, objective="simulate", num_batches=1, **kw)
-    plan = {k: v for k, v in plan.items() if k != "estimate_s"}
-    got = simulate("mllm-9b", "disttrain", plan, 8, num_batches=1, global_batch_size=16)
+    got = simulate("mllm-9b", "disttrain", disttrain_search.options_of(plan), 8, num_batches=1, global_batch_size=16)
     assert got["feasible"] and got["iteration_time_s"] <= 1.02 * brute
 
 
@@ -243,12 +270,11 @@ def test_runtime_data_order_and_dataset_steps():
 
 def test_colocated_disttrain_simulates():
     cl = _cpu_cluster(processes=2)
-    lay = {"encoder": {"tp": 1, "dp": 2}, "backbone": {"tp": 2, "pp": 1, "dp": 1}, "generator": {"tp": 1, "dp": 2},
-           "placement": "colocated"}
+    lay = {"plan": "enc:1x2,llm:2x1x1,gen:1x2", "placement": "colocated"}
     r = simulate("tiny", "disttrain", lay, 2, cl, num_batches=1, data_order="none")
-    assert r["gpus_used"] == 2 and r["iteration_time_s"] > 0 and r["label"].startswith("colocated-")
-    with pytest.raises(ValueError, match="colocated"):
-        check_layout(get_workload("tiny"), "disttrain", {**lay, "encoder": {"tp": 1, "dp": 1}}, 2, 8, 2)
+    assert r["gpus_used"] == 2 and r["iteration_time_s"] > 0 and r["label"].startswith("colocated ")
+    with pytest.raises(ConfigError, match="colocated"):
+        resolve_layout(get_workload("tiny"), "disttrain", {**lay, "plan": "enc:1x1,llm:2x1x1,gen:1x2"}, 2, 8, 2)
 
 
 # ---------------------------------------------------------------- plan=auto
@@ -256,37 +282,38 @@ def test_colocated_disttrain_simulates():
 @pytest.mark.parametrize("workload", ["tiny", "small"])
 def test_plan_auto_valid_and_deterministic(workload, tmp_path):
     import time
-    from bench.sim.auto import auto_plan
-    from systems._disttrain_plan import parse_plan, validate_plan
+    from bench.sim.auto import auto_options
+    from systems.disttrain.plan import parse_plan, validate_plan
     w = get_workload(workload)
     for nproc in range(3, 9):
         t0 = time.perf_counter()
-        text, details = auto_plan(w, nproc, w.global_batch_size, w.micro_batch_size, profile_dir=tmp_path)
+        options, details = auto_options("disttrain", w, nproc, w.global_batch_size, w.micro_batch_size,
+                                        profile_dir=tmp_path)
         assert time.perf_counter() - t0 < 2.0
-        plan = parse_plan(text, nproc, False)                 # sizes add up to nproc exactly
+        plan = parse_plan(options["plan"], nproc, False)      # sizes add up to nproc exactly
         validate_plan(plan, w, w.global_batch_size, w.micro_batch_size)
-        assert details["plan_choice"] == "auto" and details["auto"]["profile"] is None
-        again, _ = auto_plan(w, nproc, w.global_batch_size, w.micro_batch_size, profile_dir=tmp_path)
-        assert again == text
+        assert details["profile"] is None and "estimate_s" in details
+        again, _ = auto_options("disttrain", w, nproc, w.global_batch_size, w.micro_batch_size, profile_dir=tmp_path)
+        assert again == options
 
 
 def test_plan_auto_through_the_adapter():
     from bench.config import resolve
     from systems.base import ConfigError
     cfg, layout = resolve("disttrain", "tiny", 4, {"plan": "auto"})
-    assert cfg.options["plan"] != "auto" and layout.details["plan_choice"] == "auto"
+    assert cfg.options["plan"] != "auto" and layout.details["layout_choice"] == "auto"
     assert layout.label == cfg.options["plan"]
     with pytest.raises(ConfigError, match="at least 3"):
         resolve("disttrain", "tiny", 2, {"plan": "auto"})
 
 
 def test_plan_auto_uses_a_profile(tmp_path):
-    from bench.sim.auto import auto_plan
+    from bench.sim.auto import auto_options
     from tests.test_validate import synthetic_profile
     (tmp_path / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
     w = get_workload("tiny")
-    _, details = auto_plan(w, 5, 8, 2, profile_dir=tmp_path)
-    assert details["auto"]["profile"] == str(tmp_path / "cpu-tiny.json")
+    _, details = auto_options("disttrain", w, 5, 8, 2, profile_dir=tmp_path)
+    assert details["profile"] == str(tmp_path / "cpu-tiny.json")
 
 
 # ---------------------------------------------------------------- python -m bench simulate
@@ -299,6 +326,7 @@ def _cli(*args, results):
                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_simulate_cli_appends_a_simulated_record(tmp_path):
     from bench.records import read_records
     results = tmp_path / "r.jsonl"
@@ -344,7 +372,7 @@ def test_shared_cores_schedule():
 def test_shared_vs_uniform_oversubscription():
     # 4 processes on 2 cores: a module pipeline whose ranks mostly wait is barely slowed when only
     # busy processes share the cores, but twice as slow under the uniform min(1, C/P) rule
-    lay = {"encoder": {"tp": 1, "dp": 2}, "backbone": {"tp": 1, "pp": 1, "dp": 1}, "generator": {"tp": 1, "dp": 1}}
+    lay = {"plan": "enc:1x2,llm:1x1x1,gen:1x1"}
     kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
     shared = simulate("small", "disttrain", lay, 4, _cpu_cluster(4, 2, "shared"), **kw)["iteration_time_s"]
     uniform = simulate("small", "disttrain", lay, 4, _cpu_cluster(4, 2, "uniform"), **kw)["iteration_time_s"]

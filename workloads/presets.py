@@ -11,6 +11,10 @@ from dataclasses import dataclass, field, replace
 from workloads.profiles import DATA_PROFILES, DataProfile
 
 
+# The MLLM's modules in pipeline order; every per-module table in the project uses these keys.
+MODULES = ("encoder", "backbone", "generator")
+
+
 @dataclass(frozen=True)
 class EncoderShape:
     """ViT image encoder. Each input image becomes (resolution / patch_size)^2 patches."""

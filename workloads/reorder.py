@@ -41,9 +41,9 @@ Johnson's rule (1954) is optimal for two stages, and for three when the middle s
 dominated (min p1 >= max p2 or min p3 >= max p2) applied to (p1 + p2, p2 + p3). In general
 the result is the best, under the model, of: the given order, Johnson on (p1 + p2, p2 + p3),
 the Campbell-Dudek-Smith pseudo-two-stage orders, and NEH, refined by pairwise-swap descent,
-so it is never worse than the given order or Johnson's. model="1f1b" evaluates the same
-candidates with the exact 1F1B recurrence of bench.sim.schedule (forward = cost / 3,
-backward = 2 cost / 3) instead.
+so it is never worse than the given order or Johnson's. `model` may instead be a function
+of the reordered cost matrix returning its makespan (e.g. the simulator's exact 1F1B
+recurrence, bench.sim.schedule); the same candidates are then ranked by it.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ from itertools import permutations
 from typing import NamedTuple, Sequence
 
 import numpy as np
+from workloads.presets import MODULES
 
-MODULES = ("encoder", "backbone", "generator")
 
 
 class ModuleCost(NamedTuple):
@@ -231,19 +231,18 @@ def _flowshop_batch(perms: np.ndarray, p: np.ndarray) -> np.ndarray:
     return c[:, -1]
 
 
-def pipeline_makespan(order: Sequence[int], mb_costs, model: str = "flowshop") -> float:
-    """Makespan of `order` under the model stated in the module docstring."""
+def pipeline_makespan(order: Sequence[int], mb_costs, model="flowshop") -> float:
+    """Makespan of `order` under the model stated in the module docstring: "flowshop", or a
+    function mapping the reordered cost matrix to its makespan."""
     p = _as_matrix(mb_costs)
     order = np.asarray(order, dtype=np.int64)
     if len(order) == 0:
         return 0.0
     if model == "flowshop":
         return float(_flowshop_batch(order[None, :], p)[0])
-    if model == "1f1b":
-        from bench.sim.schedule import one_f_one_b   # lazy: the schedule lives with the simulator
-        q = p[order]
-        return one_f_one_b(q / 3.0, 2.0 * q / 3.0).iteration_time
-    raise ValueError(f"unknown model {model!r}; use 'flowshop' or '1f1b'")
+    if callable(model):
+        return float(model(p[order]))
+    raise ValueError(f"unknown model {model!r}; use 'flowshop' or a makespan function")
 
 
 def johnson_order(a: Sequence[float], b: Sequence[float]) -> list[int]:
@@ -291,7 +290,7 @@ def _swap_search(order: list[int], p: np.ndarray, max_rounds: int = 50) -> list[
     return cur.tolist()
 
 
-def inter_microbatch_order(mb_costs, model: str = "flowshop", exact_up_to: int = 0,
+def inter_microbatch_order(mb_costs, model="flowshop", exact_up_to: int = 0,
                            search: str = "full") -> list[int]:
     """Order of the microbatches (indices into `mb_costs`, rows of per-stage costs).
 

@@ -12,7 +12,7 @@ def derive_profile(workload: str, spec: str, efficiency_from: Path | str | None 
     """A profile for hardware that is not present: datasheet peak x a measured (or default) efficiency."""
     from bench.metrics import PEAK_FLOPS
     from bench.sim.cluster import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE
-    from bench.sim.orchestrator import work_stats
+    from bench.sim.estimate import work_stats
     from workloads.flops import backbone_sample_flops
     from workloads.presets import get_workload
     if spec not in PEAK_FLOPS:

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from bench import environment
+from workloads.presets import MODULES
 
 PROFILE_DIR = environment.REPO / "results" / "profiles"
 SCHEMA = "disttrain-bench-profile/1"
-MODULES = ("encoder", "backbone", "generator")
 
 
 def hardware_key(device: str = "cpu", spec: str | None = None) -> str:

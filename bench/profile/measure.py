@@ -49,11 +49,9 @@ def init_single_process(device):
 
 
 def _build(name, w, pg, dtype, device, seed):
-    from systems._disttrain_modules import build_module
-    from systems._disttrain_plan import ModulePlan
-    from systems import _mcore
-    module, config = build_module(name, w, ModulePlan(name, 1, 1, 1, 0), pg, dtype, seed, device)
-    model = _mcore.wrap_ddp(module, config, pg)
+    from systems import mcore
+    module, config = mcore.build_module(name, w, 1, 1, pg, dtype, seed, device)
+    model = mcore.wrap_ddp(module, config, pg)
     return module, model, config
 
 
@@ -161,12 +159,12 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer):
 
 def time_optimizer(built, repeats, timer) -> dict:
     """megatron distributed Adam step (finish_grad_sync + step) per module, the way the runs call it."""
-    from systems import _mcore
+    from systems import mcore
     from bench.config import OptimConfig
     rows = []
     for name in MODULES:
         module, model, config = built[name]
-        opt = _mcore.build_optimizer([model], OptimConfig(), next(module.parameters()).dtype)
+        opt = mcore.build_optimizer([model], OptimConfig(), next(module.parameters()).dtype)
         times = []
         for _ in range(repeats + 1):
             for p in model.parameters():         # a non-zero gradient in the buffers

@@ -139,7 +139,7 @@ def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str
     workload = get_workload(cfg.workload, cfg.data.profile)
     plan = DataPlan(DatasetReader(dataset, workload, cfg.seed), workload, cfg.global_batch_size,
                     cfg.micro_batch_size, cfg.data.reorder, cfg.data.num_samples,
-                    layout.details.get("canonical_groups", 1))
+                    layout.canonical_groups)
     metrics = metrics_from_run(raw, plan, layout)
     steps = [s for s in raw["steps"] if not s["warmup"]]
     return records.build_record(status="ok", steps=steps, metrics=metrics, **common)

@@ -10,7 +10,6 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,23 +18,10 @@ import torch.distributed as dist
 
 from bench.config import RunConfig
 from bench.metrics import peak_flops_per_device
-from systems.base import Layout, get_system
+from systems.base import TIMELINE_KINDS, Layout, TrainContext, get_system
 from workloads.presets import Workload, get_workload
+from workloads.presets import MODULES
 
-MODULES = ("encoder", "backbone", "generator")
-
-
-@dataclass
-class TrainContext:
-    cfg: RunConfig
-    workload: Workload
-    layout: Layout
-    rank: int
-    world_size: int
-    device: torch.device
-    dtype: torch.dtype
-    data: object          # ColocatedSource or DisaggregatedSource
-    plan: object          # bench.data.source.DataPlan
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -62,7 +48,7 @@ def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank
     from workloads.loader import DatasetReader
     reader = DatasetReader(dataset, workload, cfg.seed)
     plan = DataPlan(reader, workload, cfg.global_batch_size, cfg.micro_batch_size, cfg.data.reorder,
-                    cfg.data.num_samples, layout.details.get("canonical_groups", 1))
+                    cfg.data.num_samples, layout.canonical_groups)
     if cfg.data.preprocess == "disaggregated":
         from bench.preprocess.service import DisaggregatedSource
         return DisaggregatedSource(plan, cfg, dataset, device, rank), plan
@@ -85,7 +71,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
                                               torch.cuda.get_device_name() if device.type == "cuda" else "")
 
     source, plan = _make_source(cfg, workload, dataset, device, rank, layout)
-    ctx = TrainContext(cfg, workload, layout, rank, world, device, dtype, source, plan)
+    ctx = TrainContext(options=cfg.options, seed=cfg.seed, optim=cfg.optim, global_batch_size=cfg.global_batch_size,
+                       micro_batch_size=cfg.micro_batch_size, workload=workload, layout=layout, rank=rank,
+                       world_size=world, device=device, dtype=dtype, data=source)
     adapter.setup(ctx)
     steps = []
     total = cfg.warmup + cfg.steps
@@ -120,7 +108,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
             steps.append(entry)
             print(f"[bench] step {step + 1}/{total}{' (warm-up)' if step < cfg.warmup else ''} "
                   f"loss {entry['loss']:.5f} {latency:.3f} s", flush=True)
-        if step == total - 1 and getattr(adapter, "records_timeline", False):
+        if step == total - 1 and adapter.records_timeline:
             _attach_timeline(steps, result.timeline, rank, world, device)
     updates = adapter.weight_updates()
     update_norms = None
@@ -162,7 +150,7 @@ def _fault_injection() -> tuple[int, int] | None:
 
 def _attach_timeline(steps, timeline, rank, world, device) -> None:
     """Collect every rank's events of the last step on rank 0 (as a flat float tensor)."""
-    kinds = ["fwd", "bwd", "comm", "idle"]
+    kinds = list(TIMELINE_KINDS)
     rows = [[float(MODULES.index(e["module"])), float(kinds.index(e["kind"])), e["start_s"], e["end_s"]]
             for e in timeline]
     count = torch.tensor([len(rows)], device=device)

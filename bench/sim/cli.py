@@ -1,8 +1,13 @@
 """python -m bench simulate: one simulated configuration -> one record (mode "simulated").
 
     python -m bench simulate --system disttrain --workload mllm-72b --gpus 1172 [--cluster h100]
-        [--layout auto | enc:1x4,llm:8x10x12,gen:1x4 | tp8-pp10-dp12 | zero3 | '{"tp": 8, ...}']
+        [--layout auto | LABEL | '{"tp": 8, ...}']
         [--set seed=0 --set num_batches=2 --set reorder=true --set global_batch_size=1024 ...]
+        [--set tp=8 --set pp=10 ...  (the system's own options, as for `bench run`)]
+
+--layout: auto (the system's own layout search), a layout label exactly as records and
+figures show it (tp8-pp10-dp12, zero3-dp8-rc, enc:1x4,llm:8x10x12,gen:1x4, ...: the system
+parses its own labels), or a JSON object of the system's options; `--set` options apply on top.
 
 --cluster: h100 | h200 (datasheet clusters), `cpu` (this machine: its profile for the workload
 under results/profiles/ if there is one, else documented CPU defaults), or `cpu-profile FILE` /
@@ -15,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 SETTABLE = {"seed": int, "num_batches": int, "reorder": bool, "global_batch_size": int, "micro_batch_size": int,
-            "profile": str, "recompute": bool, "zero_stage": int, "placement": str}
+            "profile": str}
 
 
 class InputError(ValueError):
@@ -34,9 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", type=int, required=True, help="devices in the simulated cluster")
     p.add_argument("--cluster", nargs="+", default=["h100"], metavar="CLUSTER",
                    help="h100 | h200 | cpu | cpu-profile FILE | FILE (a bench profile JSON)")
-    p.add_argument("--layout", default="auto", help="auto (the orchestrator's choice) or a layout")
+    p.add_argument("--layout", default="auto", help="auto (the system's own layout search), a layout label, or a JSON object of options")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"simulation settings: {', '.join(sorted(SETTABLE))}")
+                   help=f"simulation settings ({', '.join(sorted(SETTABLE))}) or the system's options")
     p.add_argument("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--results", type=Path, default=None, help="JSONL file records are appended to")
     p.set_defaults(handler=handle)
@@ -52,78 +56,50 @@ def _bool(v) -> bool:
     raise InputError(f"expected true/false, got {v!r}")
 
 
-def parse_sets(items: list[str]) -> dict:
-    out = {}
+def parse_sets(items: list[str], system_options: dict) -> tuple[dict, dict]:
+    """(simulation settings, system options) from --set items."""
+    from bench.config import parse_value
+    settings, options = {}, {}
     for item in items:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
             raise InputError(f"malformed --set {item!r}: write key=value, e.g. --set seed=1")
+        if key in system_options:
+            options[key] = parse_value(value)
+            continue
         if key not in SETTABLE:
-            raise InputError(f"unknown --set key {key!r}; choose one of {sorted(SETTABLE)}")
+            raise InputError(f"unknown --set key {key!r}; choose one of {sorted(SETTABLE)} "
+                             f"or the system's options {sorted(system_options)}")
         kind = SETTABLE[key]
         try:
-            out[key] = _bool(value) if kind is bool else kind(value)
+            settings[key] = _bool(value) if kind is bool else kind(value)
         except ValueError:
             raise InputError(f"--set {key}={value!r} is not a valid {kind.__name__}") from None
-    return out
+    return settings, options
 
 
-def parse_layout(system: str, text: str, sets: dict) -> dict | str:
-    """'auto', JSON, or the short forms: tpT-ppP-dpD (megatron), zeroZ[-dpD] (deepspeed),
-    enc:TPxDP,llm:TPxPPxDP,gen:TPxDP (disttrain)."""
+def parse_layout(adapter, text: str, options: dict) -> dict | str:
+    """'auto', a JSON object of options, or a label the system parses; `options` (--set) on top."""
+    from systems.base import ConfigError
     text = text.strip()
     if text == "auto":
+        if options:
+            raise InputError(f"--layout auto chooses every option; drop --set {', '.join(sorted(options))}")
         return "auto"
     if text.startswith("{"):
         try:
             layout = json.loads(text)
         except ValueError as e:
             raise InputError(f"--layout is not valid JSON: {e}") from None
-    elif system == "megatron":
-        m = re.fullmatch(r"tp(\d+)-pp(\d+)-dp(\d+)(-rc)?", text)
-        if not m:
-            raise InputError(f"megatron --layout {text!r}: write tpT-ppP-dpD (e.g. tp8-pp10-dp12) or auto")
-        layout = {"tp": int(m[1]), "pp": int(m[2]), "dp": int(m[3]), "recompute": bool(m[4])}
-    elif system == "deepspeed":
-        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-rc)?", text)
-        if not m:
-            raise InputError(f"deepspeed --layout {text!r}: write zeroZ[-dpD] (e.g. zero3) or auto")
-        layout = {"zero_stage": int(m[1]), "recompute": bool(m[3])}
-        if m[2]:
-            layout["dp"] = int(m[2])
+        if not isinstance(layout, dict):
+            raise InputError("--layout JSON must be an object of the system's options")
     else:
-        from systems._disttrain_plan import parse_plan
-        from systems.base import ConfigError
-        colocated = sets.get("placement") == "colocated"
         try:
-            plan = parse_plan(text, 0, colocated)
+            layout = adapter.options_from_label(text)
         except ConfigError as e:
-            msg = str(e)
-            if "but --nproc is 0" not in msg and "span all 0" not in msg:
-                raise InputError(f"disttrain --layout: {msg}") from None
-            plan = _parse_plan_loose(text, colocated)
-        layout = {n: {"tp": p.tp, "dp": p.dp, **({"pp": p.pp} if n == "backbone" else {})}
-                  for n, p in plan.modules.items()}
-        if colocated:
-            layout["placement"] = "colocated"
-    for key in ("recompute", "zero_stage"):
-        if key in sets:
-            layout[key] = sets[key]
-    return layout
-
-
-def _parse_plan_loose(text: str, colocated: bool):
-    """parse_plan without the process-count check (the simulated cluster may leave devices idle)."""
-    from systems._disttrain_plan import parse_plan
-    sizes = 0
-    for part in text.replace(" ", "").split(","):
-        nums = [int(x) for x in part.split(":", 1)[1].split("x")]
-        size = 1
-        for x in nums:
-            size *= x
-        sizes = max(sizes, size) if colocated else sizes + size
-    return parse_plan(text, sizes, colocated)
+            raise InputError(f"--layout: {e}") from None
+    return {**layout, **options}
 
 
 def build_cluster(spec: list[str], workload: str, gpus: int):
@@ -152,16 +128,18 @@ def build_cluster(spec: list[str], workload: str, gpus: int):
 def run(args) -> dict:
     """Validate everything, then simulate; returns the record (not yet appended)."""
     from bench.config import parse_sets as parse_tags
-    from bench.sim.simulate import SYSTEMS, check_layout, simulate_record
-    from systems.base import ConfigError
+    from bench.sim.simulate import resolve_layout, simulate_record
+    from systems.base import ConfigError, get_system
     from workloads.presets import PRESETS, get_workload
-    if args.system not in SYSTEMS:
-        raise InputError(f"unknown system {args.system!r}; choose one of {list(SYSTEMS)}")
+    try:
+        adapter = get_system(args.system)
+    except ConfigError as e:
+        raise InputError(str(e)) from None
     if args.workload not in PRESETS:
         raise InputError(f"unknown workload {args.workload!r}; choose one of {sorted(PRESETS)}")
     if args.gpus < 1:
         raise InputError(f"--gpus must be >= 1, got {args.gpus}")
-    sets = parse_sets(args.sets)
+    sets, set_options = parse_sets(args.sets, adapter.options)
     try:
         tags = {k: str(v) for k, v in parse_tags(args.tags).items()}
     except ConfigError as e:
@@ -174,16 +152,16 @@ def run(args) -> dict:
     mbs = sets.get("micro_batch_size", w.micro_batch_size)
     if B < 1 or mbs < 1 or B % mbs:
         raise InputError(f"global_batch_size {B} must be a positive multiple of micro_batch_size {mbs}")
-    layout = parse_layout(args.system, args.layout, sets)
+    options = parse_layout(adapter, args.layout, set_options)
     cluster, profile_path = build_cluster(args.cluster, args.workload, args.gpus)
-    if layout != "auto":
+    if options != "auto":
         try:
-            check_layout(w, args.system, layout, args.gpus, B, mbs)
-        except (ValueError, KeyError, TypeError) as e:
+            resolve_layout(w, args.system, options, args.gpus, B, mbs)
+        except (ConfigError, KeyError, TypeError) as e:
             raise InputError(f"--layout: {e}") from None
     if profile_path is not None:
         tags.setdefault("cluster_profile", str(profile_path))
-    return simulate_record(args.workload, args.system, args.gpus, cluster, layout, seed=sets.get("seed", 0),
+    return simulate_record(args.workload, args.system, args.gpus, cluster, options, seed=sets.get("seed", 0),
                            num_batches=sets.get("num_batches", 2), reorder=sets.get("reorder", True),
                            profile=sets.get("profile"), global_batch_size=B, micro_batch_size=mbs, tags=tags)
 

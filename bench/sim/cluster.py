@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from bench.metrics import PEAK_FLOPS
+from workloads.presets import MODULES
 
 # Fraction of the dense bf16 peak a module's GEMMs and attention reach (compute only; the
 # simulator adds communication and pipeline bubbles separately). Assumptions, not measured:
@@ -152,7 +153,6 @@ def get_cluster(name: str | Cluster) -> Cluster:
     return CLUSTERS[name]
 
 
-MODULES = ("encoder", "backbone", "generator")
 
 
 def _physical_memory_gb() -> float:

@@ -40,12 +40,12 @@ import numpy as np
 from bench.sim.cluster import Cluster
 from workloads import flops as F
 from workloads.presets import Workload
+from workloads.presets import MODULES
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
 ACT_BYTES = 34           # per token, per hidden unit, per layer (Korthikanti et al. 2022)
 ACT_BYTES_FULL_RECOMPUTE = 2
 LOGIT_BYTES = 4
-MODULES = ("encoder", "backbone", "generator")
 
 
 def ring_allreduce(nbytes, n, bw, lat):

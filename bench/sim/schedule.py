@@ -206,3 +206,15 @@ def shared_1f1b(chains: list[Chain], cores: float) -> tuple[float, list[float]]:
             done += 1
     ends = [ch["end"] for ch in st]
     return (max(ends) if ends else 0.0), ends
+
+
+def order_microbatches(fwd, bwd, links, reorder: bool):
+    """(fwd, bwd, schedule) in the given microbatch order, or in the inter-microbatch reordering
+    of workloads.reorder when `reorder` and the exact 1F1B schedule says it is faster."""
+    from workloads.reorder import inter_microbatch_order
+    base = one_f_one_b(fwd, bwd, links)
+    if not reorder or fwd.shape[0] < 2:
+        return fwd, bwd, base
+    o = inter_microbatch_order(fwd + bwd, search="fast")
+    alt = one_f_one_b(fwd[o], bwd[o], links)
+    return (fwd[o], bwd[o], alt) if alt.iteration_time < base.iteration_time else (fwd, bwd, base)

@@ -1,7 +1,7 @@
 """python -m bench validate: the simulator against this machine's measured runs.
 
-For every measured, ok record of megatron / deepspeed / disttrain that ran on the CPU, the
-same configuration is simulated (workload, data profile, global and micro batch, layout or
+For every measured, ok record that ran on the CPU, of a system that has a cost model
+(SystemAdapter.simulate_step), the same configuration is simulated (workload, data profile, global and micro batch, layout or
 plan, process count, the measured steps' very samples and the trainers' own data
 assignment) on a CPU cluster built from the measured profile of this machine
 (results/profiles/cpu-<workload>.json; measured first if missing): per-module compute from
@@ -22,34 +22,26 @@ import statistics
 import sys
 from pathlib import Path
 
-SYSTEMS = ("megatron", "deepspeed", "disttrain")
 GOAL_PCT = 10.0
 
 
+def simulatable(system: str) -> bool:
+    """Whether `system` is registered and prices its iterations (SystemAdapter.simulate_step)."""
+    from systems.base import ConfigError, SystemAdapter, get_system
+    try:
+        return type(get_system(system)).simulate_step is not SystemAdapter.simulate_step
+    except ConfigError:
+        return False
+
+
 def measured_runs(records: list[dict]) -> list[dict]:
-    """Measured, ok, CPU records of the three systems."""
+    """Measured, ok, CPU records of systems that have a cost model."""
     out = []
     for r in records:
         device = (r.get("env") or {}).get("device") or (r.get("config") or {}).get("device")
-        if r["mode"] == "measured" and r["status"] == "ok" and r["system"] in SYSTEMS and device == "cpu" \
-                and r["steps"]:
+        if r["mode"] == "measured" and r["status"] == "ok" and device == "cpu" and r["steps"] \
+                and simulatable(r["system"]):
             out.append(r)
-    return out
-
-
-def sim_layout(record: dict) -> dict:
-    """The simulator's layout dict for a measured record's layout."""
-    lay, system = record["layout"], record["system"]
-    if system == "megatron":
-        return {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"], "recompute": False}
-    if system == "deepspeed":
-        return {"zero_stage": lay["zero_stage"], "dp": lay["dp"], "recompute": False}
-    mods = lay["modules"]
-    out = {n: {"tp": mods[n]["tp"], "dp": mods[n]["dp"], **({"pp": mods[n]["pp"]} if n == "backbone" else {})}
-           for n in ("encoder", "backbone", "generator")}
-    out["recompute"] = False
-    if lay.get("placement") == "colocated":
-        out["placement"] = "colocated"
     return out
 
 
@@ -81,7 +73,7 @@ def simulate_measured(record: dict, profile: dict, cores: int | None = None) -> 
     w = get_workload(record["workload"], record["data_profile"])
     cluster, cores = cluster_for(record, profile, cores)
     steps = [int(s["step"]) for s in record["steps"] if not s.get("warmup")]
-    r = simulate(w, record["system"], sim_layout(record), int(record["num_devices"]), cluster,
+    r = simulate(w, record["system"], dict(cfg.get("options", {})), int(record["num_devices"]), cluster,
                  seed=int(cfg.get("seed", 0)), global_batch_size=int(cfg["global_batch_size"]),
                  micro_batch_size=int(cfg["micro_batch_size"]), steps=steps,
                  num_samples=int(cfg.get("data", {}).get("num_samples", 0)) or None,

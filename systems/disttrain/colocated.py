@@ -3,7 +3,7 @@
 Modules run one after another on the shared ranks; at each boundary the activation is
 regrouped in place from the source's DP split into the destination's (an all-gather, then
 each rank keeps its rows), and the gradient takes the reverse path, rescaled from the
-destination's DP averaging into the source's (see _disttrain_runtime for the rule).
+destination's DP averaging into the source's (see systems.disttrain.runtime for the rule).
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from systems import _mcore
-from systems._disttrain_modules import build_module
-from systems._disttrain_plan import MODULES
-from systems._grids import build_grid
+from systems import mcore
+from systems.mcore import build_module
+from systems.disttrain.plan import MODULES
+from systems.disttrain.grids import build_grid
 from systems.base import StepOutput
 
 
@@ -53,19 +53,19 @@ class ColocatedRuntime:
             mp = plan.modules[name]
             _, self.pg[name], _ = build_grid(mp.tp, mp.pp, mp.dp, 0)
         # Dropout is off, so one TP RNG stream (the encoder's rank) serves every module.
-        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed, tp_rank=self.pg["encoder"].tp.rank(),
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed, tp_rank=self.pg["encoder"].tp.rank(),
                                                         ep_rank=0, etp_rank=0)
         self.modules, self.models, self.optimizers = {}, {}, {}
         for name in MODULES:
-            module, config = build_module(name, ctx.workload, plan.modules[name], self.pg[name], ctx.dtype,
-                                          ctx.cfg.seed, ctx.device)
+            module, config = build_module(name, ctx.workload, plan.modules[name].tp, plan.modules[name].pp, self.pg[name], ctx.dtype,
+                                          ctx.seed, ctx.device)
             self.modules[name] = module
-            self.models[name] = _mcore.wrap_ddp(module, config, self.pg[name])
-            self.optimizers[name] = _mcore.build_optimizer([self.models[name]], ctx.cfg.optim, ctx.dtype,
+            self.models[name] = mcore.wrap_ddp(module, config, self.pg[name])
+            self.optimizers[name] = mcore.build_optimizer([self.models[name]], ctx.optim, ctx.dtype,
                                                            self.pg[name])
-        self.updates = _mcore.UpdateTracker(self.modules, {n: self.pg[n].tp.rank() for n in MODULES},
+        self.updates = mcore.UpdateTracker(self.modules, {n: self.pg[n].tp.rank() for n in MODULES},
                                             {n: self.pg[n].dp.rank() for n in MODULES})
-        gbs, mbs = ctx.cfg.global_batch_size, ctx.cfg.micro_batch_size
+        gbs, mbs = ctx.global_batch_size, ctx.micro_batch_size
         llm = plan.modules["backbone"]
         self.num_microbatches = gbs // (mbs * llm.dp)
         self.rows = {n: mbs * llm.dp // p.dp for n, p in plan.modules.items()}

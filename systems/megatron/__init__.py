@@ -7,18 +7,30 @@ what remains of the process count. Megatron DDP, the distributed optimizer and
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
 
-from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
+from systems.base import MODULES, ConfigError, Layout, StepOutput, SystemAdapter, register
 
 
-def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
-    tp, pp = int(options["tp"]), int(options["pp"])
-    if tp < 1 or pp < 1 or nproc % (tp * pp):
+_LABEL = re.compile(r"tp(\d+)-pp(\d+)-dp(\d+)(-rc)?")
+
+
+def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size, simulated=False) -> Layout:
+    tp, pp, dp, rc = int(options["tp"]), int(options["pp"]), int(options["dp"]), bool(options["recompute"])
+    if tp < 1 or pp < 1 or dp < 0:
+        raise ConfigError(f"tp={tp}, pp={pp} must be >= 1 and dp={dp} >= 0 (0: the rest of the devices)")
+    if nproc % (tp * pp) and not (simulated and dp):
         raise ConfigError(f"tp={tp} x pp={pp} does not divide --nproc {nproc}; choose tp*pp dividing it")
-    dp = nproc // (tp * pp)
+    dp = dp or nproc // (tp * pp)
+    used = tp * pp * dp
+    if used > nproc or (used != nproc and not simulated):
+        raise ConfigError(f"tp={tp} x pp={pp} x dp={dp} = {used} devices, but there are {nproc}; "
+                          f"{'use at most' if simulated else 'make it'} {nproc} (dp=0 takes the rest)")
+    if rc and not simulated:
+        raise ConfigError("recompute=True is modeled by the simulator only; measured runs keep activations")
     for module in ("encoder", "backbone", "generator"):
         shape = getattr(workload, module)
         if shape.num_attention_heads % tp:
@@ -32,22 +44,41 @@ def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_s
     if global_batch_size % (micro_batch_size * dp):
         raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size}"
                           f" x dp {dp}; change --nproc, tp/pp or global_batch_size")
-    return Layout(label=f"tp{tp}-pp{pp}-dp{dp}", num_devices=nproc, details={"tp": tp, "pp": pp, "dp": dp},
-                  module_dp={"encoder": dp, "backbone": dp, "generator": dp})
+    return Layout(label=f"tp{tp}-pp{pp}-dp{dp}" + ("-rc" if rc else ""), num_devices=used,
+                  details={"tp": tp, "pp": pp, "dp": dp, "recompute": rc},
+                  module_dp=dict.fromkeys(MODULES, dp))
 
 
 @register
 class MegatronSystem(SystemAdapter):
     name = "megatron"
     baseline = True
-    options = {"tp": 1, "pp": 1}
+    baseline_order = 0      # the papers' baseline (Megatron-LM): the default reference of speedups
+    # dp: 0 takes the devices tp x pp leaves; recompute (full activation recomputation) is simulated only.
+    options = {"tp": 1, "pp": 1, "dp": 0, "recompute": False}
 
-    def layout(self, options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
-        return monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size)
+    def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
+        return monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size, simulated)
+
+    def options_from_label(self, label: str) -> dict:
+        m = _LABEL.fullmatch(label.strip())
+        if not m:
+            raise ConfigError(f"megatron layout {label!r}: write tpT-ppP-dpD[-rc] (e.g. tp8-pp10-dp12)")
+        return {"tp": int(m[1]), "pp": int(m[2]), "dp": int(m[3]), "recompute": bool(m[4])}
+
+    def simulate_step(self, layout, step, kit):
+        from systems.megatron import sim
+        return sim.simulate_step(layout, step, kit)
+
+    def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,
+                      exact):
+        from systems.megatron import sim
+        return sim.search(workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
+                          micro_batch_size=micro_batch_size, exact=exact)
 
     def setup(self, ctx) -> None:
-        from systems import _mcore
-        _mcore.use_cpu_if_needed(ctx.device)
+        from systems import mcore
+        mcore.use_cpu_if_needed(ctx.device)
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -55,21 +86,21 @@ class MegatronSystem(SystemAdapter):
 
         tp, pp = ctx.layout.details["tp"], ctx.layout.details["pp"]
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         self.ctx, self.ps = ctx, ps
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         stage = MLLMStage(ctx.workload, tp_size=tp, pp_size=pp, pp_rank=self.pp_rank, pg=pg, dtype=ctx.dtype,
-                          seed=ctx.cfg.seed).to(ctx.device)
+                          seed=ctx.seed).to(ctx.device)
         self.config = stage.config
         tp_rank = ps.get_tensor_model_parallel_rank()
         modules = {n: getattr(stage, n) for n in ("encoder", "backbone", "generator") if hasattr(stage, n)}
-        self.updates = _mcore.UpdateTracker(modules, dict.fromkeys(modules, tp_rank),
+        self.updates = mcore.UpdateTracker(modules, dict.fromkeys(modules, tp_rank),
                                             dict.fromkeys(modules, self.dp_rank))
-        self.model = _mcore.wrap_ddp(stage, stage.config)
-        self.optimizer = _mcore.build_optimizer([self.model], ctx.cfg.optim, ctx.dtype)
-        _mcore.attach_grad_hooks(self.config, [self.model])
+        self.model = mcore.wrap_ddp(stage, stage.config)
+        self.optimizer = mcore.build_optimizer([self.model], ctx.optim, ctx.dtype)
+        mcore.attach_grad_hooks(self.config, [self.model])
         # Only one replica of each sample reports its loss: TP rank 0 of the last stage.
         self.reports_loss = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 

@@ -3,27 +3,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.sim import costs as C
-from bench.sim.batch import chunks
-from bench.sim.host import load_s, lockstep, measured, module_calls
+from systems.base import MODULES, StepCost
 
 
-def disttrain_colocated(w, bc, L, cluster, mbs, reorder, rd=None):
+def simulate_step(layout, step, kit) -> StepCost:
     """Colocated placement: every module on all P ranks with its own TP x DP, run one after another
     per microbatch (encoder fwd, regroup, backbone fwd, regroup, generator fwd+bwd, backbone bwd,
     encoder bwd); each regroup is an all-gather over the world, so ranks move in lockstep."""
-    E, K, G, rc = L["encoder"], L["backbone"], L["generator"], L.get("recompute", False)
+    from systems.disttrain.sim import module_layouts
+    C, host, chunks = kit.costs, kit.host, kit.batch.chunks
+    w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
+    lay, rc = module_layouts(layout), layout.details["recompute"]
+    E, K, G = lay["encoder"], lay["backbone"], lay["generator"]
     sh, B, seq, hb = C.module_shapes(w), bc.num_samples, w.backbone.seq_length, w.backbone.hidden_size
     P = K["tp"] * K["pp"] * K["dp"]
     size = K["dp"] * mbs
     m = B // size
-    lay = {"encoder": E, "backbone": K, "generator": G}
     if rd is not None:
-        rows = {k: rd.ranks(lay[k]["dp"], size // lay[k]["dp"]) for k in C.MODULES}
+        rows = {k: rd.ranks(lay[k]["dp"], size // lay[k]["dp"]) for k in MODULES}
     else:
         gm = chunks(range(B), m)
         rows = {k: [[list(chunks(gm[j], lay[k]["dp"])[r]) for j in range(m)] for r in range(lay[k]["dp"])]
-                for k in C.MODULES}
+                for k in MODULES}
     bw, lat = C.link(cluster, P > cluster.gpus_per_node)
     def gather(per_rank_elems):              # all-gather of a tensor of that many elements per rank
         return float((P - 1) * (per_rank_elems * cluster.value_bytes / bw + lat)) if P > 1 else 0.0
@@ -32,18 +33,18 @@ def disttrain_colocated(w, bc, L, cluster, mbs, reorder, rd=None):
     bb_f = C.backbone_stage(w, 1, 0)[0]
     for j in range(m):
         t = {}
-        for k in C.MODULES:
+        for k in MODULES:
             if k == "backbone":
                 fl = np.array([bb_f * len(r[j]) for r in rows[k]])
                 tk = np.array([seq * len(r[j]) for r in rows[k]], dtype=np.float64)
-                calls = [1] * len(rows[k]) if measured(cluster) else None
+                calls = [1] * len(rows[k]) if host.measured(cluster) else None
             else:
                 fl = np.array([bc.per_sample(k)[r[j]].sum() for r in rows[k]])
                 tk = np.array([bc.per_sample_tokens(k)[r[j]].sum() for r in rows[k]])
                 tok[k] = max(tok[k], float(tk.max()))
-                calls = module_calls(bc, k, [r[j] for r in rows[k]], cluster)
+                calls = host.module_calls(bc, k, [r[j] for r in rows[k]], cluster)
             f, b = C.module_fb(fl, tk, k, sh[k], sh[k].layers, lay[k]["tp"], cluster, rc, calls)
-            t[k] = (lockstep(f, lay[k]["tp"], P, cluster), lockstep(b, lay[k]["tp"], P, cluster))
+            t[k] = (host.lockstep(f, lay[k]["tp"], P, cluster), host.lockstep(b, lay[k]["tp"], P, cluster))
             busy += lay[k]["tp"] * float(f.sum() + b.sum())
         canvas = gather(size // E["dp"] * seq * hb)
         cond = gather(size // K["dp"] * w.generator.num_cond_tokens * hb)
@@ -54,19 +55,19 @@ def disttrain_colocated(w, bc, L, cluster, mbs, reorder, rd=None):
             first = [[float(bc.per_sample("encoder")[[i for r in rows["encoder"] for i in r[0]]].sum()),
                       size * bb_f, float(bc.per_sample("generator")[[i for r in rows["generator"] for i in r[0]]].sum())]]
     sync, opt, mem, data = 0.0, 0.0, 0.0, 0.0
-    for k in C.MODULES:
+    for k in MODULES:
         p = sh[k].params / lay[k]["tp"]
         sync += float(C.dp_sync_time(p, lay[k]["dp"], P > cluster.gpus_per_node, cluster))
         opt += C.optimizer_time(p / lay[k]["dp"], cluster)
         toks = size // lay[k]["dp"] * seq if k == "backbone" else tok[k]
         mem += C.state_bytes(p, lay[k]["dp"], 1) + C.activation_bytes(toks, sh[k].hidden, sh[k].layers, lay[k]["tp"], rc)
-    load = load_s(bc)
+    load = host.load_s(bc)
     for r in range(P):                       # each rank reads its rows once per module
         d = 0.0
-        for k in C.MODULES:
+        for k in MODULES:
             mine = rows[k][(r // (lay[k]["tp"] * lay[k].get("pp", 1))) % lay[k]["dp"]]
             d += C.data_time(load, [i for mb in mine for i in mb], len(mine), cluster)
         data = max(data, d)
-    host = data + opt + C.harness_time(P, cluster)
-    return total, sync + host, busy, mem, P, first
+    host_s = data + opt + C.harness_time(P, cluster)
+    return StepCost(total, sync + host_s, busy, mem, P, first)
 

@@ -67,3 +67,27 @@ class UpdateTracker:
         for name, p, start in self.params:
             out[name] = out.get(name, 0.0) + (p.detach().float() - start).pow(2).sum().item()
         return out
+
+
+def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, device):
+    """One module of the MLLM (or one backbone stage) with its own process groups `pg`, at
+    TP `tp` (backbone: PP `pp`): (module, its TransformerConfig) on this rank; weights are the
+    canonical ones every system starts from (same global parameter names)."""
+    from workloads.init import canonical_init_                # imports megatron-core: only when building
+    from workloads.model import Backbone, ImageEncoder, ImageGenerator, module_config
+    shape = getattr(workload, name)
+    tp_rank = pg.tp.rank()
+    if name == "backbone":
+        pp_rank = pg.pp.rank()
+        config = module_config(shape, tp_size=tp, pp_size=pp, gated=True, dtype=dtype,
+                               num_query_groups=shape.num_query_groups)
+        module = Backbone(workload, config, pg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        layers = module.decoder.layers
+        offset = layers[0].layer_number - 1 if len(layers) else 0
+        canonical_init_(module, prefix="backbone", seed=seed, tp_rank=tp_rank, tp_size=tp,
+                        layer_offset=offset, gated=True)
+    else:
+        config = module_config(shape, tp_size=tp, gated=False, dtype=dtype)
+        module = (ImageEncoder if name == "encoder" else ImageGenerator)(workload, config, pg)
+        canonical_init_(module, prefix=name, seed=seed, tp_rank=tp_rank, tp_size=tp)
+    return module.to(device), config

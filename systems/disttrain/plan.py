@@ -1,6 +1,7 @@
 """DistTrain plans: each module's own degrees and ranks, parsed and validated without processes.
 
-Syntax: `enc:TPxDP,llm:TPxPPxDP,gen:TPxDP`. Non-colocated (DistTrain's disaggregated
+Syntax: `enc:TPxDP,llm:TPxPPxDP,gen:TPxDP` (the layout's label too, prefixed "colocated "
+when colocated and suffixed "-rc" when the simulator recomputes activations). Non-colocated (DistTrain's disaggregated
 orchestration): modules get disjoint, consecutive rank ranges in that order and the sizes
 add up to the process count. Colocated (heterogeneous parallelism on shared GPUs): every
 module spans all ranks with its own TP/DP, so each module's size equals the process count.
@@ -11,9 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from systems.base import ConfigError
+from systems.base import MODULES, ConfigError
 
-MODULES = ("encoder", "backbone", "generator")
 _KEYS = {"enc": "encoder", "llm": "backbone", "gen": "generator"}
 _ENTRY = re.compile(r"^(enc|llm|gen):(\d+)x(\d+)(?:x(\d+))?$")
 
@@ -60,7 +60,14 @@ class Plan:
         raise ValueError(f"rank {rank} belongs to no module")
 
 
-def parse_plan(text: str, nproc: int, colocated: bool) -> Plan:
+def plan_text(modules: dict) -> str:
+    """The plan string of {"encoder": {"tp", "dp"}, "backbone": {"tp", "pp", "dp"}, "generator": ...}."""
+    e, k, g = modules["encoder"], modules["backbone"], modules["generator"]
+    return f"enc:{e['tp']}x{e['dp']},llm:{k['tp']}x{k['pp']}x{k['dp']},gen:{g['tp']}x{g['dp']}"
+
+
+def parse_plan(text: str, nproc: int, colocated: bool, exact: bool = True) -> Plan:
+    """exact=False (the simulator): the plan may leave some of the `nproc` devices idle."""
     entries = {}
     for part in str(text).replace(" ", "").split(","):
         m = _ENTRY.match(part)
@@ -88,14 +95,18 @@ def parse_plan(text: str, nproc: int, colocated: bool) -> Plan:
         offset += tp * pp * dp
     plan = Plan(modules, colocated)
     sizes = {n: p.size for n, p in modules.items()}
-    if colocated and any(s != nproc for s in sizes.values()):
+    if colocated and (len(set(sizes.values())) != 1 or (exact and any(s != nproc for s in sizes.values()))):
         raise ConfigError(f"colocated plan needs every module to span all {nproc} processes, got sizes {sizes}")
-    if not colocated and offset != nproc:
-        raise ConfigError(f"plan uses {offset} processes ({sizes}) but --nproc is {nproc}; make them equal")
+    used = max(sizes.values()) if colocated else offset
+    if used > nproc or (exact and used != nproc):
+        raise ConfigError(f"plan uses {used} processes ({sizes}) but --nproc is {nproc}; make them "
+                          f"{'equal' if exact else 'at most that'}")
     return plan
 
 
-def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size: int) -> None:
+def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size: int, runtime: bool = True) -> None:
+    """runtime=False (the simulator, which spreads images over any DP size): only the checks
+    a real DistTrain at scale needs too, not those of this runtime's whole-rank boundaries."""
     for name, mp in plan.modules.items():
         shape = getattr(workload, name)
         if shape.num_attention_heads % mp.tp:
@@ -108,6 +119,10 @@ def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size
     if global_batch_size % (micro_batch_size * llm.dp):
         raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} "
                           f"x backbone dp {llm.dp}")
+    if plan.colocated and llm.pp > 1:
+        raise ConfigError("colocated placement runs modules one after another on shared ranks; use llm pp=1")
+    if not runtime:
+        return
     rows = micro_batch_size * llm.dp      # samples per microbatch across the backbone's DP ranks
     if rows % plan.canonical_groups:
         raise ConfigError(f"a microbatch holds {rows} samples across the backbone's DP ranks, which the module DP "

@@ -23,10 +23,11 @@ DeepSpeed is imported inside `setup` only, so the parent process and `layout()` 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
-from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
+from systems.base import MODULES, ConfigError, Layout, StepOutput, SystemAdapter, register
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed's own default: ZeRO-3 keeps parameters up to this many elements unpartitioned.
@@ -67,22 +68,45 @@ class DeepSpeedSystem(SystemAdapter):
     baseline = True
     # persistence_threshold: ZeRO-3 only; parameters with at most this many elements stay
     # unpartitioned (DeepSpeed's default). 0 partitions every parameter, even in tiny models.
-    options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD}
+    # dp: 0 = every device; recompute (full activation recomputation) is simulated only.
+    options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD, "dp": 0, "recompute": False}
 
-    def layout(self, options, nproc, workload, global_batch_size, micro_batch_size) -> Layout:
+    def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         stage = _zero_stage(options)
         threshold = options.get("persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
         if not isinstance(threshold, int) or threshold < 0:
             raise ConfigError(f"persistence_threshold={threshold!r}; give a number of elements >= 0")
-        if global_batch_size % (micro_batch_size * nproc):
+        dp, rc = int(options.get("dp", 0)) or nproc, bool(options.get("recompute", False))
+        if dp < 1 or dp > nproc or (dp != nproc and not simulated):
+            raise ConfigError(f"dp={dp}: deepspeed is pure data parallelism over all {nproc} devices; "
+                              f"{'give 1..' + str(nproc) if simulated else 'leave dp at 0'}")
+        if rc and not simulated:
+            raise ConfigError("recompute=True is modeled by the simulator only; measured runs keep activations")
+        if global_batch_size % (micro_batch_size * dp):
             raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size}"
-                              f" x dp {nproc}; change --nproc, micro_batch_size or global_batch_size")
-        return Layout(label=f"zero{stage}-dp{nproc}", num_devices=nproc, details={"zero_stage": stage, "dp": nproc},
-                      module_dp={"encoder": nproc, "backbone": nproc, "generator": nproc})
+                              f" x dp {dp}; change --nproc, micro_batch_size or global_batch_size")
+        return Layout(label=f"zero{stage}-dp{dp}" + ("-rc" if rc else ""), num_devices=dp,
+                      details={"zero_stage": stage, "dp": dp, "recompute": rc}, module_dp=dict.fromkeys(MODULES, dp))
+
+    def options_from_label(self, label: str) -> dict:
+        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-rc)?", label.strip())
+        if not m:
+            raise ConfigError(f"deepspeed layout {label!r}: write zeroZ[-dpD][-rc] (e.g. zero3-dp8)")
+        return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[3])}
+
+    def simulate_step(self, layout, step, kit):
+        from systems.deepspeed import sim
+        return sim.simulate_step(layout, step, kit)
+
+    def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,
+                      exact):
+        from systems.deepspeed import sim
+        return sim.search(workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
+                          micro_batch_size=micro_batch_size, exact=exact)
 
     def setup(self, ctx) -> None:
-        from systems import _mcore
-        _mcore.use_cpu_if_needed(ctx.device)
+        from systems import mcore
+        mcore.use_cpu_if_needed(ctx.device)
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
@@ -103,20 +127,20 @@ class DeepSpeedSystem(SystemAdapter):
 
         # Size-1 TP/PP/CP groups for the megatron layers; every rank is its own model replica.
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         model = MLLMStage(ctx.workload, tp_size=1, pp_size=1, pp_rank=0, pg=pg, dtype=ctx.dtype,
-                          seed=ctx.cfg.seed).to(ctx.device)
+                          seed=ctx.seed).to(ctx.device)
 
-        optim = ctx.cfg.optim
+        optim = ctx.optim
         # Megatron's "adam" without TransformerEngine/apex is torch.optim.AdamW (decoupled weight
         # decay), with the same weight decay for every parameter when no scheduler runs.
         optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(0.9, 0.95), eps=1e-8,
                                       weight_decay=optim.weight_decay)
-        self.config = ds_config(zero_stage=self.stage, global_batch_size=ctx.cfg.global_batch_size,
-                                micro_batch_size=ctx.cfg.micro_batch_size, dp=self.dp_size, dtype=ctx.dtype,
+        self.config = ds_config(zero_stage=self.stage, global_batch_size=ctx.global_batch_size,
+                                micro_batch_size=ctx.micro_batch_size, dp=self.dp_size, dtype=ctx.dtype,
                                 clip_grad=optim.clip_grad,
-                                persistence_threshold=ctx.cfg.options.get("persistence_threshold",
+                                persistence_threshold=ctx.options.get("persistence_threshold",
                                                                           DEFAULT_PERSISTENCE_THRESHOLD))
         self.gas = self.config["gradient_accumulation_steps"]
         if self.stage == 3:

@@ -16,10 +16,10 @@ from collections import deque
 
 import torch
 
-from systems import _mcore
-from systems._disttrain_modules import build_module
-from systems._disttrain_plan import MODULES
-from systems._grids import build_grid
+from systems import mcore
+from systems.mcore import build_module
+from systems.disttrain.plan import MODULES
+from systems.disttrain.grids import build_grid
 from systems.base import StepOutput
 
 TOPOLOGY = {"encoder": ["backbone"], "backbone": ["generator"], "generator": []}
@@ -27,7 +27,7 @@ TOPOLOGY = {"encoder": ["backbone"], "backbone": ["generator"], "generator": []}
 
 def build_runtime(ctx, plan):
     if plan.colocated:
-        from systems._disttrain_colocated import ColocatedRuntime
+        from systems.disttrain.colocated import ColocatedRuntime
         return ColocatedRuntime(ctx, plan)
     return PipelineRuntime(ctx, plan)
 
@@ -46,13 +46,13 @@ class PipelineRuntime:
                 self.name, pg = name, module_pg
         self.mp = plan.modules[self.name]
         self.tp_rank, self.pp_rank, self.dp_rank = pg.tp.rank(), pg.pp.rank(), pg.dp.rank()
-        tensor_parallel.model_parallel_cuda_manual_seed(ctx.cfg.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
-        self.module, self.config = build_module(self.name, ctx.workload, self.mp, pg, ctx.dtype, ctx.cfg.seed,
+        tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
+        self.module, self.config = build_module(self.name, ctx.workload, self.mp.tp, self.mp.pp, pg, ctx.dtype, ctx.seed,
                                                 ctx.device)
-        self.updates = _mcore.UpdateTracker({self.name: self.module}, {self.name: self.tp_rank},
+        self.updates = mcore.UpdateTracker({self.name: self.module}, {self.name: self.tp_rank},
                                             {self.name: self.dp_rank})
-        self.model = _mcore.wrap_ddp(self.module, self.config, pg)
-        self.optimizer = _mcore.build_optimizer([self.model], ctx.cfg.optim, ctx.dtype, pg)
+        self.model = mcore.wrap_ddp(self.module, self.config, pg)
+        self.optimizer = mcore.build_optimizer([self.model], ctx.optim, ctx.dtype, pg)
         self.comm = MultiModulePipelineCommunicator(grids, TOPOLOGY, self.config,
                                                     dim_mapping={"b": 0, "s": 1, "h": 2})
         llm = plan.modules["backbone"]
@@ -60,7 +60,7 @@ class PipelineRuntime:
         self.num_stages = 2 + llm.pp
         self.first_llm = self.name == "backbone" and self.pp_rank == 0
         self.last_llm = self.name == "backbone" and self.pp_rank == self.mp.pp - 1
-        gbs, mbs = ctx.cfg.global_batch_size, ctx.cfg.micro_batch_size
+        gbs, mbs = ctx.global_batch_size, ctx.micro_batch_size
         self.num_microbatches = gbs // (mbs * llm.dp)
         self.rows = mbs * llm.dp // self.mp.dp            # samples per microbatch on this rank
         self.objective_scale = self.mp.dp / gbs

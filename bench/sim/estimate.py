@@ -1,0 +1,67 @@
+"""Closed-form estimates the layout searches share: mean per-sample work of a drawn batch and
+the per-stage times, links, sync and memory fit of a backbone pipeline (bench.sim.schedule's
+`estimate_1f1b` turns them into an iteration time). Systems reach these through `kit`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.sim import costs as C
+from bench.sim.batch import draw_batch
+from workloads.presets import Workload
+
+# Encoder/generator tokens per rank assumed 2x the mean for memory checks (a batch's largest
+# microbatch, not its mean, must fit).
+MEM_HEADROOM = 2.0
+
+
+@dataclass(frozen=True)
+class Stats:
+    B: int            # global batch (samples)
+    mbs: int          # micro batch (samples)
+    flops: dict       # mean training FLOPs per sample, per module (encoder, generator)
+    tokens: dict      # mean tokens per sample (image patches; latent + condition tokens)
+    images: dict      # mean images per sample
+    max_tokens: dict  # tokens of the largest single image
+
+
+def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 1) -> Stats:
+    metas = [m for k in range(num_batches) for m in draw_batch(w, B, seed, k)]
+    bc = C.batch_costs(w, metas)
+    n = len(metas)
+    return Stats(B, mbs,
+                 {"encoder": bc.enc_flops.sum() / n, "generator": bc.gen_flops.sum() / n},
+                 {"encoder": bc.enc_tokens.sum() / n, "generator": bc.gen_tokens.sum() / n},
+                 {"encoder": len(bc.enc_flops) / n, "generator": len(bc.gen_flops) / n},
+                 {"encoder": float(bc.enc_tokens.max(initial=0)), "generator": float(bc.gen_tokens.max(initial=0))})
+
+
+@dataclass(frozen=True)
+class BackbonePipeline:
+    stage_s: np.ndarray     # forward + backward of one microbatch per stage
+    links: list             # stage-to-stage transfer per microbatch and direction
+    sync_s: float           # the slowest stage's data-parallel sync
+    fits: bool              # every stage within the cluster's memory
+    num_microbatches: int
+
+
+def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recompute: bool,
+                      stages_after: int) -> BackbonePipeline:
+    """The backbone split into `pp` stages at TP `tp` and DP `dp`; `stages_after`: stages that
+    follow it in the chain (a generator group), which keep more microbatches in flight."""
+    sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
+    m = st.B // (dp * st.mbs)
+    t, ok, sync = [], True, 0.0
+    for s in range(pp):
+        f, params, n = C.backbone_stage(w, pp, s)
+        t.append(float(sum(C.module_fb(st.mbs * f, st.mbs * seq, "backbone", sh, n, tp, cluster, recompute))))
+        inflight = min(pp + stages_after - s, m)
+        mem = (C.state_bytes(params / tp, dp, 1)
+               + inflight * C.activation_bytes(st.mbs * seq, sh.hidden, n, tp, recompute)
+               + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
+        ok &= bool(mem <= cluster.memory_bytes)
+        sync = max(sync, float(C.dp_sync_time(params / tp, dp, tp * dp > gpn, cluster)))
+    links = [float(C.p2p_time(st.mbs * seq, sh.hidden, tp, cluster, tp * dp >= gpn))] * (pp - 1)
+    return BackbonePipeline(np.array(t), links, sync, ok, m)

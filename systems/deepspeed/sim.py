@@ -1,0 +1,76 @@
+"""DeepSpeed ZeRO's iteration in the shared cost model, and the search for its best stage.
+
+Every rank holds the whole model (states sharded by ZeRO stage) and runs its samples as
+gradient-accumulation microbatches; ZeRO-3 gathers parameters and reduce-scatters gradients
+every microbatch, the other stages sync once after the last microbatch.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+import numpy as np
+
+from systems.base import MODULES, StepCost
+from workloads.reorder import ModuleCost, intra_microbatch_assign
+
+
+def simulate_step(layout, step, kit) -> StepCost:
+    C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
+    L, w, bc, cluster, mbs = layout.details, step.workload, step.costs, step.cluster, step.micro_batch_size
+    dp, z, rc = L["dp"], L["zero_stage"], L["recompute"]
+    sh, B, seq = C.module_shapes(w), bc.num_samples, w.backbone.seq_length
+    enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
+    etok, gtok = bc.per_sample_tokens("encoder"), bc.per_sample_tokens("generator")
+    sc = [ModuleCost(e, 0.0, g) for e, g in zip(enc, gen)]
+    if step.runtime_order is not None:
+        per_rank = step.runtime_order.ranks(dp)
+    else:
+        groups = (intra_microbatch_assign(sc, dp, B // dp) if step.reorder and B % dp == 0
+                  else batch.chunks(range(B), dp))
+        per_rank = batch.split(sc, groups, mbs, False)
+    bb_flops = C.backbone_stage(w, 1, 0)[0]
+    P = sum(sh[k].params for k in MODULES)
+    comm = float(C.zero3_microbatch_comm(P, dp, dp > cluster.gpus_per_node, cluster)) if z == 3 else 0.0
+    times, compute, max_etok, max_gtok = [], [], 0.0, 0.0
+    load, data, chains = host.load_s(bc), 0.0, []
+    for mbl in per_rank:
+        t, per_mb = 0.0, []
+        for mb in mbl:
+            one = 0.0
+            for x, k in ((enc[mb].sum(), "encoder"), (bb_flops * len(mb), "backbone"), (gen[mb].sum(), "generator")):
+                calls = None if k == "backbone" or not host.measured(cluster) else bc.groups(k, mb)
+                one += float(sum(C.compute_fb(x, k, 1, cluster, rc, calls)))
+            per_mb.append(one)
+            t += one
+            max_etok, max_gtok = max(max_etok, etok[mb].sum()), max(max_gtok, gtok[mb].sum())
+        compute.append(t)
+        times.append(t + len(mbl) * comm)
+        data = max(data, C.data_time(load, [i for mb in mbl for i in mb], len(mbl), cluster))
+        work = np.array(per_mb)[:, None] + comm
+        chains.append(schedule.Chain(work / 3, 2 * work / 3))
+    pipe = max(times)
+    if cluster.shared_cores:                 # ranks that finish early free their core for the others
+        pipe = schedule.shared_1f1b(chains, cluster.shared_cores)[0]
+    sync = 0.0 if z == 3 else float(C.dp_sync_time(P, dp, dp > cluster.gpus_per_node, cluster))
+    act = (C.activation_bytes(mbs * seq, sh["backbone"].hidden, sh["backbone"].layers, 1, rc)
+           + C.activation_bytes(max_etok, sh["encoder"].hidden, sh["encoder"].layers, 1, rc)
+           + C.activation_bytes(max_gtok, sh["generator"].hidden, sh["generator"].layers, 1, rc)
+           + C.logits_bytes(w, mbs, 1))
+    g0 = [i for mb in per_rank[0] for i in mb][:mbs]
+    first = [[float(enc[g0].sum()), float(bb_flops * len(g0)), float(gen[g0].sum())]]
+    host_s = data + C.optimizer_time(P / dp if z >= 1 else P, cluster) + C.harness_time(dp, cluster)
+    return StepCost(pipe, sync + host_s, sum(compute), float(C.state_bytes(P, dp, z) + act), dp, first)
+
+
+def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
+    """The ZeRO stage (and, simulated, recompute setting) that fits and simulates fastest, dp = every device."""
+    best = None
+    for z, rc in product((1, 2, 3), (False,) if exact else (False, True)):
+        options = {"zero_stage": z, "dp": num_devices, "recompute": rc}
+        r = kit.simulate(w, "deepspeed", options, num_devices, cluster, seed=seed, num_batches=1,
+                         global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+        if r["feasible"] and (best is None or r["iteration_time_s"] < best["estimate_s"]):
+            best = {"options": options, "estimate_s": r["iteration_time_s"]}
+    if best is not None:
+        best["search"] = "ZeRO stages 1-3 (and recompute) each simulated on one batch"
+    return best

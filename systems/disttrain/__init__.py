@@ -1,0 +1,79 @@
+"""DistTrain: disaggregated model orchestration (arXiv 2408.04275).
+
+Encoder, backbone and generator each get their own ranks and TP/DP (the backbone also PP),
+given as `--set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP`. Non-colocated modules form a module
+pipeline encoder -> backbone -> generator driven by a 1F1B schedule; megatron-core's
+HyperCommGrid, BridgeCommunicator and MultiModulePipelineCommunicator move activations into
+the destination's layout and gradients back. `--set placement=colocated` puts every module
+on every rank, each with its own TP/DP, and regroups boundary tensors in place.
+"""
+from __future__ import annotations
+
+from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
+from systems.disttrain.plan import parse_plan, validate_plan
+
+PLACEMENTS = ("disaggregated", "colocated")
+
+
+@register
+class DistTrainSystem(SystemAdapter):
+    name = "disttrain"
+    # plan: "auto" asks the orchestrator (search_layout); recompute is simulated only.
+    options = {"plan": "", "placement": "disaggregated", "recompute": False}
+    records_timeline = True
+
+    def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
+        if options["placement"] not in PLACEMENTS:
+            raise ConfigError(f"placement={options['placement']!r}; choose one of {PLACEMENTS}")
+        if not options["plan"] or options["plan"] == "auto":
+            raise ConfigError("disttrain needs a plan: --set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP (or plan=auto)")
+        rc = bool(options.get("recompute", False))
+        if rc and not simulated:
+            raise ConfigError("recompute=True is modeled by the simulator only; measured runs keep activations")
+        colocated = options["placement"] == "colocated"
+        plan = parse_plan(options["plan"], nproc, colocated, exact=not simulated)
+        validate_plan(plan, workload, global_batch_size, micro_batch_size, runtime=not simulated)
+        used = plan.modules["backbone"].size if colocated else sum(p.size for p in plan.modules.values())
+        details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc,
+                   "modules": {n: {"tp": p.tp, "pp": p.pp, "dp": p.dp, "first_rank": p.rank_offset}
+                               for n, p in plan.modules.items()}}
+        return Layout(label=plan.label() + ("-rc" if rc else ""), num_devices=used, details=details,
+                      module_dp={n: p.dp for n, p in plan.modules.items()}, canonical_groups=plan.canonical_groups)
+
+    def options_from_label(self, label: str) -> dict:
+        text = label.strip()
+        colocated = text.startswith("colocated ")
+        text = text.removeprefix("colocated ").strip()
+        rc = text.endswith("-rc")
+        return {"plan": text.removesuffix("-rc"), "placement": PLACEMENTS[colocated], "recompute": rc}
+
+    def simulate_step(self, layout, step, kit):
+        from systems.disttrain import sim
+        return sim.simulate_step(layout, step, kit)
+
+    def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,
+                      exact):
+        from systems.disttrain import search
+        return search.search(workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
+                             micro_batch_size=micro_batch_size, exact=exact)
+
+    def setup(self, ctx) -> None:
+        from systems import mcore
+        mcore.use_cpu_if_needed(ctx.device)
+        from megatron.core import parallel_state
+        from systems.disttrain.runtime import build_runtime
+
+        self.ctx = ctx
+        self.plan = parse_plan(ctx.options["plan"], ctx.world_size, ctx.options["placement"] == "colocated")
+        parallel_state._set_global_memory_buffer()
+        self.runtime = build_runtime(ctx, self.plan)
+
+    def train_step(self, step: int) -> StepOutput:
+        return self.runtime.train_step(step)
+
+    def weight_updates(self) -> dict[str, float]:
+        return self.runtime.updates.squared_updates()
+
+    def teardown(self) -> None:
+        from megatron.core import parallel_state
+        parallel_state.destroy_global_memory_buffer()

@@ -1,0 +1,125 @@
+"""DistTrain's iteration in the shared cost model.
+
+Disaggregated: one chain encoder group -> backbone stages -> generator group under 1F1B;
+global microbatch j = microbatch j of every backbone replica, its images spread over the
+encoder (generator) replicas image by image (or, in validation, exactly the trainers' rows).
+Colocated placement: systems.disttrain.sim_colocated.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from systems.base import MODULES, StepCost
+from workloads.reorder import ModuleCost, assign_for_module, inter_microbatch_order, intra_microbatch_assign
+
+
+def module_layouts(layout) -> dict:
+    """{"encoder": {"tp", "pp", "dp"}, ...} of a disttrain Layout."""
+    return {n: layout.details["modules"][n] for n in MODULES}
+
+
+def _spread(flops, tokens, dp, reorder):
+    """Per-rank (flops, tokens) of one global microbatch's images over dp replicas."""
+    idx = np.arange(len(flops))
+    ranks = assign_for_module(flops, dp) if reorder else [idx[r::dp] for r in range(dp)]
+    return (np.array([flops[r].sum() for r in ranks]), np.array([tokens[r].sum() for r in ranks]))
+
+
+def _module_ranks(bc, key, lay, gm, j, rd_ranks, reorder, cluster, host):
+    """Per-rank (flops, tokens, calls) of `key` in global microbatch j: the trainers' rows
+    (rd_ranks: [rank][microbatch] -> samples) or, without them, images spread over the ranks."""
+    if rd_ranks is not None:
+        fl, tk = bc.per_sample(key), bc.per_sample_tokens(key)
+        return (np.array([fl[r[j]].sum() for r in rd_ranks]), np.array([tk[r[j]].sum() for r in rd_ranks]),
+                host.module_calls(bc, key, [r[j] for r in rd_ranks], cluster))
+    fl, tk, owner = ((bc.enc_flops, bc.enc_tokens, bc.enc_owner) if key == "encoder"
+                     else (bc.gen_flops, bc.gen_tokens, bc.gen_owner))
+    sel = np.isin(owner, gm)
+    return (*_spread(fl[sel], tk[sel], lay["dp"], reorder), None)
+
+
+def simulate_step(layout, step, kit) -> StepCost:
+    if layout.details["placement"] == "colocated":
+        from systems.disttrain.sim_colocated import simulate_step as colocated
+        return colocated(layout, step, kit)
+    C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
+    w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
+    lays, rc = module_layouts(layout), layout.details["recompute"]
+    E, K, G = lays["encoder"], lays["backbone"], lays["generator"]
+    sh, gpn, B, seq = C.module_shapes(w), cluster.gpus_per_node, bc.num_samples, w.backbone.seq_length
+    tp, pp, dp = K["tp"], K["pp"], K["dp"]
+    size = dp * mbs
+    m, S = B // size, pp + 2
+    enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
+    sc = [ModuleCost(e, 0.0, g) for e, g in zip(enc, gen)]
+    rows = {}
+    if rd is not None:
+        rows = {"backbone": rd.ranks(dp, mbs), "encoder": rd.ranks(E["dp"], size // E["dp"]),
+                "generator": rd.ranks(G["dp"], size // G["dp"])}
+        gmbs = [[i for r in rows["backbone"] for i in r[j]] for j in range(m)]
+    else:
+        gmbs = intra_microbatch_assign(sc, m, size) if step.reorder else batch.chunks(range(B), m)
+    stages = [C.backbone_stage(w, pp, s) for s in range(pp)]
+    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc) for f, _, n in stages]
+    fwd, bwd = np.zeros((m, S)), np.zeros((m, S))
+    fwd[:, 1:-1], bwd[:, 1:-1] = [f for f, _ in bb], [b for _, b in bb]
+    wf, wb = np.full((m, S), float(tp * dp)), np.full((m, S), float(tp * dp))
+    busy = tp * dp * float(fwd.sum() + bwd.sum())
+    tok_max = {"encoder": 0.0, "generator": 0.0}
+    tok_mean = {"encoder": 0.0, "generator": 0.0}
+    first = []
+    for j, gm in enumerate(gmbs):
+        row = []
+        for col, key, lay in ((0, "encoder", E), (S - 1, "generator", G)):
+            rf, rt, calls = _module_ranks(bc, key, lay, gm, j, rows.get(key), step.reorder, cluster, host)
+            f, b = C.module_fb(rf, rt, key, sh[key], sh[key].layers, lay["tp"], cluster, rc, calls)
+            fwd[j, col], bwd[j, col] = f.max(), b.max()
+            wf[j, col], wb[j, col] = host.concurrency(f, lay["tp"]), host.concurrency(b, lay["tp"])
+            busy += lay["tp"] * float(f.sum() + b.sum())
+            tok_max[key] = max(tok_max[key], float(rt.max()))
+            tok_mean[key] += float(rt.max()) / m
+            row.append(float(bc.per_sample(key)[list(gm)].sum()))
+        first.append([row[0], size * C.backbone_stage(w, 1, 0)[0], row[1]])
+    hb = sh["backbone"].hidden
+    if rd is not None:
+        # The runtime moves the whole image canvas [rows, seq, hidden] (not only image tokens): at a
+        # fan-in the backbone rank receives one message per encoder rank, at a fan-out the encoder
+        # rank sends one whole microbatch per backbone rank.
+        fan = max(E["dp"], dp) // min(E["dp"], dp)
+        one, lat = float(C.p2p_time(mbs * seq, hb, 1, cluster, True)), float(C.p2p_time(0, hb, 1, cluster, True))
+        enc_link = one + (fan - 1) * lat if E["dp"] >= dp else fan * one
+    else:
+        enc_link = float(C.p2p_time(max(tok_mean["encoder"], 0.0), hb, tp, cluster, True))
+    links = ([enc_link]
+             + [float(C.p2p_time(mbs * seq, hb, tp, cluster, tp * dp >= gpn))] * (pp - 1)
+             + [float(C.p2p_time(size * w.generator.num_cond_tokens / G["dp"], hb, 1, cluster, True))])
+    order = step.reorder and rd is None
+    if order and fwd.shape[0] > 1 and cluster.shared_cores:
+        o = inter_microbatch_order(fwd + bwd, search="fast")
+        fwd, bwd, wf, wb = fwd[o], bwd[o], wf[o], wb[o]
+        order = False
+    fwd, bwd, res = schedule.order_microbatches(fwd, bwd, links, order)
+    pipe = res.iteration_time
+    if cluster.shared_cores:                 # the module pipeline's ranks share the cores
+        pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores)[0]
+    mem, sync, opt = [], [], []
+    for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
+        p = sh[key].params / lay["tp"]
+        mem.append(C.state_bytes(p, lay["dp"], 1)
+                   + inflight * C.activation_bytes(tok_max[key], sh[key].hidden, sh[key].layers, lay["tp"], rc))
+        sync.append(float(C.dp_sync_time(p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster)))
+        opt.append(C.optimizer_time(p / lay["dp"], cluster))
+    for s, (_, params, n) in enumerate(stages):
+        a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq, hb, n, tp, rc)
+        mem.append(C.state_bytes(params / tp, dp, 1) + a + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0.0))
+        sync.append(float(C.dp_sync_time(params / tp, dp, tp * dp > gpn, cluster)))
+        opt.append(C.optimizer_time(params / tp / dp, cluster))
+    gpus = E["tp"] * E["dp"] + tp * pp * dp + G["tp"] * G["dp"]
+    data = 0.0
+    if rd is not None:
+        load = host.load_s(bc)
+        for key in MODULES:
+            for r in rows[key]:                  # every rank preprocesses its own rows
+                data = max(data, C.data_time(load, [i for mb in r for i in mb], len(r), cluster))
+    host_s = data + max(opt) + C.harness_time(gpus, cluster)
+    return StepCost(pipe, max(sync) + host_s, busy, max(mem), gpus, first)
