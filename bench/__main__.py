@@ -52,7 +52,8 @@ def _dispatch(args) -> int:
     from bench.run import runner
     results = args.results or runner.DEFAULT_RESULTS
     if args.command == "run":
-        from bench.config import parse_sets, resolve
+        from bench.config import resolve
+        from bench.keyvalue import parse_sets
         tags = parse_sets(args.tags)
         cfg, layout = resolve(args.system, args.workload, args.nproc, parse_sets(args.sets),
                               {k: str(v) for k, v in tags.items()})

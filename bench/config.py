@@ -8,7 +8,6 @@ that choice.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -62,23 +61,6 @@ class RunConfig:
         d["data"] = DataConfig(**d.get("data", {}))
         d["optim"] = OptimConfig(**d.get("optim", {}))
         return cls(**d)
-
-
-def parse_value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ConfigError(f"malformed --set {item!r}: write key=value, e.g. --set tp=2")
-        out[key.strip()] = parse_value(value.strip())
-    return out
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:

@@ -6,6 +6,7 @@ import functools
 import importlib.metadata
 import os
 import platform
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,10 @@ def describe(device: str, world_size: int, backend: str) -> dict:
                      "machine": platform.machine()},
         "world_size": world_size, "device": device, "backend": backend,
     }
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a rendezvous of our own processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

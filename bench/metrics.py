@@ -92,3 +92,11 @@ def throughput(step_times_s: list[float], samples_per_step: int, tokens_per_step
         mfu=flops_per_step.total / step / capacity,
         mfu_per_module=per_module,
     )
+
+
+# Fraction of the dense peak each module reaches on a GPU never profiled (the simulator and
+# derived profiles use it until a measured profile replaces it).
+DEFAULT_EFFICIENCY = {"encoder": 0.45, "backbone": 0.60, "generator": 0.45}
+DEFAULT_EFFICIENCY_SOURCE = ("assumption (not measured): 0.60 of dense bf16 peak for the wide backbone, "
+                             "0.45 for ViT-H/DiT-XL-width layers; cf. Megatron-Core README 'up to 47% MFU' "
+                             "end-to-end on H100")

@@ -53,7 +53,7 @@ def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> di
     """gloo between 2 local processes: p2p one-way latency/bandwidth, 2-rank all-reduce."""
     import tempfile
     import torch.multiprocessing as mp
-    from bench.run.runner import free_port
+    from bench.environment import free_port
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "comm.json"
         ctx = mp.start_processes(_comm_worker, args=(free_port(), list(sizes), iters, str(out)), nprocs=2,

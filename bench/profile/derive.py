@@ -10,10 +10,11 @@ from bench.profile.files import MODULES, SCHEMA, hardware_key, load_profile, ver
 def derive_profile(workload: str, spec: str, efficiency_from: Path | str | None = None, dtype: str = "bf16",
                    data_profile: str | None = None) -> dict:
     """A profile for hardware that is not present: datasheet peak x a measured (or default) efficiency."""
-    from bench.metrics import PEAK_FLOPS
-    from bench.sim.cluster import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE
-    from bench.sim.estimate import work_stats
-    from workloads.flops import backbone_sample_flops
+    import numpy as np
+
+    from bench.metrics import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE, PEAK_FLOPS
+    from workloads.dataset import plan_sample
+    from workloads.flops import backbone_sample_flops, batch_flops
     from workloads.presets import get_workload
     if spec not in PEAK_FLOPS:
         raise ValueError(f"unknown --spec {spec!r}; choose one of {sorted(PEAK_FLOPS)}")
@@ -28,9 +29,11 @@ def derive_profile(workload: str, spec: str, efficiency_from: Path | str | None 
                         "workload": src["workload"], "date": src["date"]}
     else:
         eff, source = dict(DEFAULT_EFFICIENCY), "default: " + DEFAULT_EFFICIENCY_SOURCE
-        derived_from = {"default_efficiency": "bench.sim.cluster.DEFAULT_EFFICIENCY"}
-    st = work_stats(w, w.global_batch_size, w.micro_batch_size)
-    per_sample = {"encoder": st.flops["encoder"], "generator": st.flops["generator"],
+        derived_from = {"default_efficiency": "bench.metrics.DEFAULT_EFFICIENCY"}
+    # The mean sample of one global batch, drawn as the dataset generator draws it (seed 0).
+    batch = w.global_batch_size
+    total = batch_flops(w, [plan_sample(w, np.random.default_rng([0, 1, i]), i) for i in range(batch)])
+    per_sample = {"encoder": total.encoder / batch, "generator": total.generator / batch,
                   "backbone": float(backbone_sample_flops(w))}
     modules = {}
     for n in MODULES:

@@ -160,7 +160,7 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer):
 def time_optimizer(built, repeats, timer) -> dict:
     """megatron distributed Adam step (finish_grad_sync + step) per module, the way the runs call it."""
     from systems import mcore
-    from bench.config import OptimConfig
+    from systems.base import OptimConfig
     rows = []
     for name in MODULES:
         module, model, config = built[name]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,12 +16,6 @@ from workloads.presets import get_workload
 
 REPO = environment.REPO
 DEFAULT_RESULTS = REPO / "results" / "runs.jsonl"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(cfg: RunConfig, config_file: Path, dataset: Path, out: Path, port: int) -> list[str]:
@@ -58,7 +51,7 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_file.write_text(dumps(cfg))
-        cmd = torchrun_command(cfg, config_file, dataset, out, free_port())
+        cmd = torchrun_command(cfg, config_file, dataset, out, environment.free_port())
         print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
               f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
               flush=True)

@@ -58,7 +58,7 @@ def _bool(v) -> bool:
 
 def parse_sets(items: list[str], system_options: dict) -> tuple[dict, dict]:
     """(simulation settings, system options) from --set items."""
-    from bench.config import parse_value
+    from bench.keyvalue import parse_value
     settings, options = {}, {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -127,7 +127,7 @@ def build_cluster(spec: list[str], workload: str, gpus: int):
 
 def run(args) -> dict:
     """Validate everything, then simulate; returns the record (not yet appended)."""
-    from bench.config import parse_sets as parse_tags
+    from bench.keyvalue import parse_sets as parse_tags
     from bench.sim.simulate import resolve_layout, simulate_record
     from systems.base import ConfigError, get_system
     from workloads.presets import PRESETS, get_workload

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from bench.metrics import PEAK_FLOPS
+from bench.metrics import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE, PEAK_FLOPS
 from workloads.presets import MODULES
 
 # Fraction of the dense bf16 peak a module's GEMMs and attention reach (compute only; the
@@ -21,11 +21,6 @@ from workloads.presets import MODULES
 # wide layers (the backbone, hidden >= 4096) at 0.60, the ~1.2k-wide ViT-H / DiT-XL layers at
 # 0.45. For scale, Megatron-Core's README reports "up to 47% MFU" end-to-end on H100 clusters
 # (communication and bubbles included). Override with measured values via `with_efficiency`.
-DEFAULT_EFFICIENCY = {"encoder": 0.45, "backbone": 0.60, "generator": 0.45}
-DEFAULT_EFFICIENCY_SOURCE = ("assumption (not measured): 0.60 of dense bf16 peak for the wide backbone, "
-                             "0.45 for ViT-H/DiT-XL-width layers; cf. Megatron-Core README 'up to 47% MFU' "
-                             "end-to-end on H100")
-
 
 @dataclass(frozen=True)
 class Cluster:

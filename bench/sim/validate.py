@@ -239,6 +239,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="Markdown table (default: validation.md beside --results)")
     p.add_argument("--no-profile", action="store_true", help="do not measure a missing profile; skip its runs")
     p.add_argument("--force", action="store_true", help="re-simulate runs already validated with this profile")
+    p.add_argument("--profiles", type=Path, default=None, help="folder of this machine's profiles "
+                   "(default results/profiles); a missing one is measured into it")
     p.add_argument("--background", type=Path, default=None, help="JSON {run_id: {background_share_mean: ...}}: "
                    "how much of the CPU other processes used during each measured run (adds a column)")
     p.set_defaults(handler=handle)
@@ -257,7 +259,7 @@ def handle(args, results_path) -> int:
             print(f"error: --background {args.background}: {e}", file=sys.stderr)
             return 2
     rows, md = validate(results, args.out, measure_missing=not args.no_profile, force=args.force,
-                        background=background)
+                        background=background, profile_dir=args.profiles)
     errs = [abs(r["error_pct"]) for r in rows]
     summary = (f"mean |error| {statistics.fmean(errs):.1f}%, max {max(errs):.1f}%, "
                f"{sum(e <= GOAL_PCT for e in errs)}/{len(errs)} within {GOAL_PCT:g}%") if errs else "nothing to validate"

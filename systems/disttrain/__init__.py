@@ -48,7 +48,10 @@ class DistTrainSystem(SystemAdapter):
         return {"plan": text.removesuffix("-rc"), "placement": PLACEMENTS[colocated], "recompute": rc}
 
     def simulate_step(self, layout, step, kit):
-        from systems.disttrain import sim
+        if layout.details["placement"] == "colocated":
+            from systems.disttrain import sim_colocated as sim
+        else:
+            from systems.disttrain import sim
         return sim.simulate_step(layout, step, kit)
 
     def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,

@@ -60,6 +60,11 @@ class Plan:
         raise ValueError(f"rank {rank} belongs to no module")
 
 
+def module_layouts(layout) -> dict:
+    """{"encoder": {"tp", "pp", "dp", "first_rank"}, ...} of a disttrain Layout."""
+    return {n: layout.details["modules"][n] for n in MODULES}
+
+
 def plan_text(modules: dict) -> str:
     """The plan string of {"encoder": {"tp", "dp"}, "backbone": {"tp", "pp", "dp"}, "generator": ...}."""
     e, k, g = modules["encoder"], modules["backbone"], modules["generator"]

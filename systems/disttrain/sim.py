@@ -3,19 +3,15 @@
 Disaggregated: one chain encoder group -> backbone stages -> generator group under 1F1B;
 global microbatch j = microbatch j of every backbone replica, its images spread over the
 encoder (generator) replicas image by image (or, in validation, exactly the trainers' rows).
-Colocated placement: systems.disttrain.sim_colocated.
+The colocated placement is priced by systems.disttrain.sim_colocated.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from systems.base import MODULES, StepCost
+from systems.disttrain.plan import module_layouts
 from workloads.reorder import ModuleCost, assign_for_module, inter_microbatch_order, intra_microbatch_assign
-
-
-def module_layouts(layout) -> dict:
-    """{"encoder": {"tp", "pp", "dp"}, ...} of a disttrain Layout."""
-    return {n: layout.details["modules"][n] for n in MODULES}
 
 
 def _spread(flops, tokens, dp, reorder):
@@ -39,9 +35,6 @@ def _module_ranks(bc, key, lay, gm, j, rd_ranks, reorder, cluster, host):
 
 
 def simulate_step(layout, step, kit) -> StepCost:
-    if layout.details["placement"] == "colocated":
-        from systems.disttrain.sim_colocated import simulate_step as colocated
-        return colocated(layout, step, kit)
     C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
     w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
     lays, rc = module_layouts(layout), layout.details["recompute"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 from systems.base import MODULES, StepCost
+from systems.disttrain.plan import module_layouts
 
 
 def simulate_step(layout, step, kit) -> StepCost:
     """Colocated placement: every module on all P ranks with its own TP x DP, run one after another
     per microbatch (encoder fwd, regroup, backbone fwd, regroup, generator fwd+bwd, backbone bwd,
     encoder bwd); each regroup is an all-gather over the world, so ranks move in lockstep."""
-    from systems.disttrain.sim import module_layouts
     C, host, chunks = kit.costs, kit.host, kit.batch.chunks
     w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
     lay, rc = module_layouts(layout), layout.details["recompute"]
