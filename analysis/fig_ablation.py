@@ -1,13 +1,16 @@
 """Ablation figures: orchestration plan, data reordering, data preprocessing placement.
 
 Each reads only records tagged `tags.experiment == <ablation>`; the variant comes from the
-record (tags.plan_kind, config.data.reorder, config.data.preprocess).
+record (tags.plan_kind, config.data.reorder, config.data.preprocess). Repeats of a
+configuration are summarized by their medians (analysis.repeats); throughput bars carry the
+95% interval of the median when there are repeats.
 """
 from __future__ import annotations
 
 import seaborn as sns
 
-from analysis.load import COMPARE_KEYS, ok, ordered
+from analysis.load import ABLATIONS, COMPARE_KEYS, ok, ordered
+from analysis.repeats import configurations
 from analysis.style import FIGSIZE, NoData, bars, figure, legend_handles, new_figure, panel_legend, with_groups
 
 GROUP_XLABEL = "workload · data profile · devices (count)"
@@ -20,7 +23,8 @@ def _ablation(data, experiment: str, variant: str, variants: tuple, panels: list
     df = df[df[variant].notna()]
     if df.empty:
         raise NoData(f'no ok record tagged experiment="{experiment}" that names its {variant}')
-    best = df.loc[df.groupby(COMPARE_KEYS + ["system", variant])["samples_per_s"].idxmax()]
+    configs = configurations(df)
+    best = configs.loc[configs.groupby(COMPARE_KEYS + ["system", variant])["samples_per_s"].idxmax()]
     panels = [p for p in panels if best[p[0]].notna().any()]
     present = ordered(best[variant], variants)
     palette = dict(zip(present, sns.color_palette(colors, len(present) + 1)[1:]))
@@ -31,7 +35,10 @@ def _ablation(data, experiment: str, variant: str, variants: tuple, panels: list
         fig, axes = new_figure(nrows=len(panels), size=(FIGSIZE[0], 1.2 + 2.9 * len(panels)))
     for ax, (col, ylabel, scale) in zip(axes, panels):
         value = best.assign(value=best[col] * scale).dropna(subset=["value"])
-        bars(ax, value, "group", "value", variant, order, present, palette)
+        if col == "samples_per_s":
+            value = value.assign(low=value["samples_per_s_low"] * scale, high=value["samples_per_s_high"] * scale)
+        bars(ax, value, "group", "value", variant, order, present, palette,
+             interval=("low", "high") if col == "samples_per_s" else None)
         ax.set_xlabel(GROUP_XLABEL if ax is axes[-1] or len(order) <= 2 else "")
         ax.set_ylabel(ylabel)
         ax.set_title(ylabel.split(" (")[0])
@@ -47,7 +54,7 @@ THROUGHPUT = ("samples_per_s", "throughput (samples/s)", 1.0)
 @figure("orchestration", "Ablation: the searched orchestration plan ('auto') against "
         "a naive plan, same workload and devices (experiment=orchestration).")
 def orchestration(data):
-    return _ablation(data, "orchestration", "plan_kind", ("naive", "auto"),
+    return _ablation(data, "orchestration", *ABLATIONS["orchestration"],
                      [THROUGHPUT, ("mfu", "MFU (%)", 100.0)],
                      "Ablation: orchestration plan", "plan", "Greens")
 
@@ -57,7 +64,7 @@ def orchestration(data):
         "per-rank encoder FLOPs) and, where the system records it, the measured bubble share "
         "of rank-time (experiment=reorder).")
 def reorder(data):
-    return _ablation(data, "reorder", "reorder", ("none", "intra", "inter", "both"),
+    return _ablation(data, "reorder", *ABLATIONS["reorder"],
                      [THROUGHPUT, ("encoder_load_imbalance", "encoder imbalance (max/mean ratio)", 1.0),
                       ("bubble_fraction", "bubble (% of rank-time)", 100.0)],
                      "Ablation: data reordering", "reorder", "Blues")
@@ -67,6 +74,6 @@ def reorder(data):
         "disaggregated preprocessing: share of step time spent waiting for data, and "
         "throughput (experiment=preprocess).")
 def preprocess(data):
-    return _ablation(data, "preprocess", "preprocess", ("colocated", "disaggregated"),
+    return _ablation(data, "preprocess", *ABLATIONS["preprocess"],
                      [("data_wait_fraction", "data wait (% of step time)", 100.0), THROUGHPUT],
                      "Ablation: data preprocessing placement", "preprocessing", "Oranges")

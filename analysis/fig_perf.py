@@ -5,7 +5,8 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.lines import Line2D
 
-from analysis.load import WORKLOAD_ORDER, best_layouts
+from analysis.load import WORKLOAD_ORDER
+from analysis.repeats import best_layouts
 from analysis.style import (FIGSIZE, PROFILE_SHORT, NoData, bars, figure, legend_handles, mode_title, modes_in,
                             new_figure, panel_legend, system_palette, with_groups)
 
@@ -23,7 +24,8 @@ def headline_groups(best: pd.DataFrame) -> pd.DataFrame:
 
 def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, log_ok=True,
                  skip_annotate=()):
-    """One panel per mode (measured above simulated), bars per system grouped by model size."""
+    """One panel per mode (measured above simulated), bars per system grouped by model size;
+    `value` rows with `low` / `high` get a 95% interval bar (from repeats)."""
     value = headline_groups(value)
     modes = modes_in(value)
     palette = system_palette(value["system"])
@@ -32,7 +34,7 @@ def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, lo
         df, order = with_groups(value[value["mode"] == mode])
         hue_order = [s for s in palette if s in set(df["system"])]
         bars(ax, df, "group", "value", "system", order, hue_order, palette,
-             annotate=annotate, skip_annotate=skip_annotate)
+             annotate=annotate, skip_annotate=skip_annotate, interval=("low", "high"))
         positive = df["value"][df["value"] > 0]
         log = log_ok and len(positive) and positive.max() / positive.min() > 5
         if log:
@@ -46,15 +48,16 @@ def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, lo
     return fig
 
 
-@figure("throughput", "Training throughput (samples/s) of the fastest layout of each system, "
-        "grouped by model size (at the device count most systems ran); simulated results "
-        "(hatched) are drawn in their own panel.")
+@figure("throughput", "Training throughput (samples/s, median of the repeats; error bars: 95% "
+        "interval of the median) of the fastest layout of each system, grouped by model size "
+        "(at the device count most systems ran); simulated results (hatched) in their own panel.")
 def throughput(data):
     best = best_layouts(data.runs)
     if best.empty:
         raise NoData("no ok record with samples_per_s")
-    return _system_bars(best.assign(value=best["samples_per_s"]), "throughput (samples/s)",
-                        "Training throughput, best layout per system")
+    return _system_bars(best.assign(value=best["samples_per_s"], low=best["samples_per_s_low"],
+                                    high=best["samples_per_s_high"]),
+                        "throughput (samples/s, median of repeats)", "Training throughput, best layout per system")
 
 
 @figure("mfu", "Model FLOPs utilization (% of the peak FLOP/s of all devices) of the fastest "
@@ -69,22 +72,24 @@ def mfu(data):
                         "Model FLOPs utilization, best layout per system", log_ok=False)
 
 
-def speedup_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Best layout of each system with its speedup (runs["speedup"], over the best layout of
-    the baseline chosen at load) as `value`, where its comparison group has that baseline."""
-    best = best_layouts(runs)
-    return best.assign(value=best["speedup"]).dropna(subset=["value"])
+def speedup_table(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Best layout of each system with its speedup over the best layout of `baseline` (ratio of
+    medians, 95% bootstrap interval) as value / low / high, where its group has that baseline."""
+    best = best_layouts(runs, baseline=baseline)
+    return best.assign(value=best["speedup"], low=best["speedup_low"], high=best["speedup_high"]
+                       ).dropna(subset=["value"])
 
 
-@figure("speedup", "Throughput of the fastest layout of each system divided by the fastest "
-        "layout of the speedup baseline (`--baseline`; by default the first registered "
+@figure("speedup", "Median throughput of the fastest layout of each system divided by that "
+        "of the fastest layout of the speedup baseline (error bars: 95% bootstrap interval of the "
+        "ratio of medians) (`--baseline`; by default the first registered "
         "baseline with a run) on the same workload, data profile, mode and device count.")
 def speedup(data):
     base = data.baseline
     if base is None:
         raise NoData("no speedup baseline: no registered baseline system has a successful run "
                      "(name one with --baseline)")
-    table = speedup_table(data.runs)
+    table = speedup_table(data.runs, base)
     if (table["system"] != base).sum() == 0:
         raise NoData(f"no workload has both a {base} run and another system's run "
                      "(ok, same data profile, mode and device count)")

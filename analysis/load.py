@@ -23,7 +23,8 @@ RUN_COLUMNS = ("run_id", "mode", "timestamp", "system", "workload", "data_profil
                "reason", "num_devices", "layout_label", "experiment", "plan_kind", "reorder",
                "preprocess", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
                "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
-               "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source")
+               "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source",
+               "config_key", "repeat", "outside_cpu_share", "load_average_1m", "busy_machine")
 ALIASES = {  # short name -> json_normalize column
     "layout_label": "layout.label", "experiment": "tags.experiment", "plan_kind": "tags.plan_kind",
     "reorder": "config.data.reorder", "preprocess": "config.data.preprocess",
@@ -34,9 +35,15 @@ ALIASES = {  # short name -> json_normalize column
     "encoder_load_imbalance": "metrics.encoder_load_imbalance",
     "generator_load_imbalance": "metrics.generator_load_imbalance",
     "bubble_fraction": "metrics.bubble_fraction", "step_time_s": "metrics.step_time_s",
+    "outside_cpu_share": "metrics.outside_cpu_share", "load_average_1m": "metrics.load_average_1m",
+    "busy_machine": "metrics.busy_machine",
 }
 # The column naming the variant of each ablation experiment (tags.experiment).
-VARIANTS = {"orchestration": "plan_kind", "reorder": "reorder", "preprocess": "preprocess"}
+# Each ablation experiment: the column naming its variant and the variants, the reference first.
+ABLATIONS = {"orchestration": ("plan_kind", ("naive", "auto")),
+             "reorder": ("reorder", ("none", "intra", "inter", "both")),
+             "preprocess": ("preprocess", ("colocated", "disaggregated"))}
+VARIANTS = {name: column for name, (column, _) in ABLATIONS.items()}
 STEP_COLUMNS = ("run_id", "system", "workload", "data_profile", "mode", "status", "layout_label",
                 "experiment", "timestamp", "step", "latency_s", "loss", "lm_loss", "gen_loss",
                 "data_wait_s", "rank_busy_s", "rank_idle_s", "timeline")
@@ -47,7 +54,7 @@ class Results:
     runs: pd.DataFrame      # one row per record (flattened with pd.json_normalize)
     steps: pd.DataFrame     # one row per step of every record that has steps
     files: list[Path] = field(default_factory=list)
-    baseline: str | None = None  # the system runs["speedup"] divides by; None: no speedups
+    baseline: str | None = None  # the system speedups divide by (analysis.repeats); None: no speedups
 
 
 class BaselineError(ValueError):
@@ -89,11 +96,10 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
     for col in RUN_COLUMNS:
         if col not in runs:
             runs[col] = np.nan
-    numeric = [c for c in RUN_COLUMNS if c.startswith(("samples", "tokens", "mfu", "data_wait"))
+    numeric = [c for c in RUN_COLUMNS if c.startswith(("samples", "tokens", "mfu", "data_wait", "outside", "load_av"))
                or c.endswith(("imbalance", "fraction", "_s"))]
     runs[numeric] = runs[numeric].apply(pd.to_numeric, errors="coerce")
     runs["layout_label"] = runs["layout_label"].fillna("?").astype(str)
-    runs["speedup"] = np.nan  # load() fills it once the baseline is chosen
     return runs.reset_index(drop=True)
 
 
@@ -114,13 +120,12 @@ def steps_frame(records: list[dict]) -> pd.DataFrame:
 
 
 def load(results_dir: Path | str, baseline: str | None = None) -> Results:
-    """Both frames from `results_dir/*.jsonl`, speedups over `baseline` (see pick_baseline).
+    """Both frames from `results_dir/*.jsonl`, and the speedup `baseline` (see pick_baseline).
 
     Raises RecordError on any malformed line, BaselineError on a baseline without a run."""
     records, files = load_records(results_dir)
     runs = runs_frame(records)
     baseline = pick_baseline(runs, baseline)
-    runs["speedup"] = speedup_vs_baseline(runs, baseline)
     return Results(runs, steps_frame(records), files, baseline)
 
 
@@ -129,15 +134,6 @@ def ok(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 COMPARE_KEYS = ["workload", "data_profile", "mode", "num_devices"]
-
-
-def best_layouts(runs: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame:
-    """The fastest ok record (samples/s) of each system for each comparison group."""
-    keys = (keys or COMPARE_KEYS) + ["system"]
-    good = ok(runs)
-    if good.empty:
-        return good
-    return good.loc[good.groupby(keys, dropna=False)["samples_per_s"].idxmax()].reset_index(drop=True)
 
 
 def system_order(systems) -> list[str]:
@@ -163,20 +159,6 @@ def pick_baseline(runs: pd.DataFrame, requested: str | None = None) -> str | Non
         raise BaselineError(f"baseline {requested!r} has no successful record "
                             f"(systems with one: {have})")
     return requested
-
-
-def speedup_vs_baseline(runs: pd.DataFrame, baseline: str | None) -> pd.Series:
-    """samples/s of each ok record over the best `baseline` layout with the same workload,
-    data profile, mode and device count; NaN where that baseline run does not exist."""
-    good = ok(runs)
-    base = good[good["system"] == baseline].groupby(COMPARE_KEYS)["samples_per_s"].max()
-    if base.empty:
-        return pd.Series(np.nan, index=runs.index)
-    keyed = pd.MultiIndex.from_frame(runs[COMPARE_KEYS])
-    ref = base.reindex(keyed).to_numpy()
-    out = runs["samples_per_s"].to_numpy(dtype=float) / ref
-    out[(runs["status"] != "ok").to_numpy()] = np.nan
-    return pd.Series(out, index=runs.index)
 
 
 def sort_key(col: pd.Series) -> pd.Series:

@@ -3,141 +3,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pandas as pd
-
 from analysis.figures import Outcome, draw_all
-from analysis.load import VARIANTS, Results, is_baseline, load, ok, sort_key, system_order
+from analysis.load import Results, load, sort_key
+from analysis.tables import (ORDER, ablation_section, cell, headline_section, markdown_table, summary_table,
+                             validation_section)
 
 TITLES = {"throughput": "Throughput", "mfu": "Model FLOPs utilization", "speedup":
           "Speedup over the baseline", "scaling": "Scaling with device count", "orchestration":
           "Ablation: orchestration plan", "reorder": "Ablation: data reordering", "preprocess":
           "Ablation: data preprocessing", "loss": "Loss curves", "timeline": "Iteration timeline"}
-ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
-
-
-def _cell(value) -> str:
-    text = "" if value is None or (isinstance(value, float) and pd.isna(value)) else str(value)
-    text = " ".join(text.split())
-    return (text[:200] + "…" if len(text) > 200 else text).replace("|", "\\|")
-
-
-def _table(df: pd.DataFrame) -> list[str]:
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return lines
-
-
-def _num(fmt: str):
-    return lambda v: "—" if pd.isna(v) else format(v, fmt)
-
-
-def _experiment(run) -> str:
-    """'reorder: intra' for an ablation run, else the experiment tag."""
-    name = run["experiment"]
-    if pd.isna(name):
-        return "—"
-    variant = VARIANTS.get(name)
-    return f"{name}: {run[variant]}" if variant and pd.notna(run[variant]) else str(name)
-
-
-def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFrame:
-    """One row per ok run; a "speedup vs <baseline>" column when there is a baseline."""
-    okr = runs[runs["status"] == "ok"].sort_values(ORDER, key=sort_key)
-    table = pd.DataFrame({
-        "system": okr["system"], "workload": okr["workload"], "profile": okr["data_profile"],
-        "layout": okr["layout_label"], "devices": okr["num_devices"], "mode": okr["mode"],
-        "experiment": [_experiment(r) for _, r in okr.iterrows()],
-        "samples/s": okr["samples_per_s"].map(_num(".4g")),
-        "MFU %": (okr["mfu"] * 100).map(_num(".3g")),
-    })
-    if baseline is not None:
-        table[f"speedup vs {baseline}"] = okr["speedup"].map(lambda v: "—" if pd.isna(v) else f"{v:.2f}×")
-    return table
-
-
-def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Simulated records tagged experiment=validation (bench/validate.py) beside their measured
-    partners (tags.measured_run_id): the newest simulation of each measured run."""
-    cols = ["system", "workload", "layout", "nproc", "measured iteration s", "simulated s", "error %", "measured in"]
-    need = {"tags.measured_run_id", "metrics.iteration_time_s"}
-    if runs.empty or not need <= set(runs.columns):
-        return pd.DataFrame(columns=cols)
-    sim = runs[(runs["mode"] == "simulated") & (runs["experiment"] == "validation")
-               & runs["tags.measured_run_id"].notna() & (runs["status"] == "ok")]
-    sim = sim.sort_values("timestamp").drop_duplicates("tags.measured_run_id", keep="last")
-    meas = runs[(runs["mode"] == "measured") & (runs["status"] == "ok")].drop_duplicates("run_id").set_index("run_id")
-    rows = []
-    for _, s in sim.iterrows():
-        mid = s["tags.measured_run_id"]
-        if mid not in meas.index:
-            continue
-        m = meas.loc[mid]
-        measured, simulated = float(m["step_time_s"]), float(s["metrics.iteration_time_s"])
-        rows.append({"system": m["system"], "workload": m["workload"], "layout": m["layout_label"],
-                     "nproc": int(m["num_devices"]), "measured iteration s": measured, "simulated s": simulated,
-                     "error %": 100.0 * (simulated - measured) / measured,
-                     "measured in": str(m["source"]).split(":")[0]})
-    df = pd.DataFrame(rows, columns=cols)
-    return df.sort_values(["workload", "system", "nproc", "layout"], key=sort_key).reset_index(drop=True)
-
-
-def validation_section(runs: pd.DataFrame) -> list[str]:
-    md = ["## Simulator validation", ""]
-    table = validation_table(runs)
-    if table.empty:
-        return md + ["No validation yet: run `python -m bench validate` after measured CPU runs.", ""]
-    err = table["error %"].abs()
-    shown = table.assign(**{"measured iteration s": table["measured iteration s"].map(_num(".4g")),
-                            "simulated s": table["simulated s"].map(_num(".4g")),
-                            "error %": table["error %"].map(_num("+.1f"))})
-    md += ["Each measured CPU run simulated in the same configuration on a CPU cluster built from this "
-           "machine's profile (`python -m bench profile`, `python -m bench validate`); error = (simulated - "
-           "measured) / measured.", ""]
-    md += _table(shown)
-    md += ["", f"{len(table)} runs: mean |error| {err.mean():.1f}%, median {err.median():.1f}%, max "
-               f"{err.max():.1f}%; {int((err <= 10).sum())}/{len(table)} within 10%.", ""]
-    return md
-
-
-def _ratio_lines(best: pd.DataFrame) -> list[str]:
-    """'<system> throughput ratio: 1.02× b1, 1.30× b2.' for each system under study in one
-    comparison group (best: fastest run per system, indexed by system) against each baseline."""
-    order = system_order(best.index)
-    baselines = [s for s in order if is_baseline(s)]
-    if not baselines:
-        return []
-    lines = []
-    for system in (s for s in order if s not in baselines):
-        ours = best.loc[system, "samples_per_s"]
-        ratios = [f"{ours / best.loc[b, 'samples_per_s']:.2f}× {b}" for b in baselines]
-        lines += [f"{system} throughput ratio: " + ", ".join(ratios) + ".", ""]
-    return lines
-
-
-def headline_section(runs: pd.DataFrame) -> list[str]:
-    """The main comparison (tag experiment=main): each system's fastest layout, and each
-    system under study's throughput ratio to each baseline, measured side by side in one sweep."""
-    main = ok(runs[runs["experiment"] == "main"])
-    if main.empty:
-        return []
-    md = ["## Headline: the main comparison", ""]
-    for (workload, profile, mode, devices), group in main.groupby(
-            ["workload", "data_profile", "mode", "num_devices"], sort=False):
-        best = group.loc[group.groupby("system")["samples_per_s"].idxmax()].set_index("system")
-        best = best.loc[system_order(best.index)]
-        md += [f"{workload} · {profile} · {devices} devices ({mode}):", ""]
-        rows = [{"system": s, "best layout": r["layout_label"], "samples/s": f"{r['samples_per_s']:.4g}",
-                 "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
-        md += _table(pd.DataFrame(rows)) + [""] + _ratio_lines(best)
-    return md
-
-
 def _speedup_note(baseline: str | None) -> str:
     if baseline is None:
         return ("No speedup is given: no registered baseline system has a successful run "
                 "(`--baseline NAME` picks any system that has one).")
-    return (f"Speedup divides a run's samples/s by the best {baseline} layout with the same "
-            "workload, data profile, mode and device count (`--baseline NAME` picks another).")
+    return (f"Speedup divides a configuration's median samples/s by that of the best {baseline} "
+            "configuration with the same workload, data profile, mode and device count, with the 95% "
+            "bootstrap interval of that ratio (`--baseline NAME` picks another).")
 
 
 def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
@@ -152,10 +33,10 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
           + ".", "",
           "Simulated results come from a cost model, not from training; they are labelled "
           "*simulated* (hatched bars, dashed lines, separate panels). "
-          + _speedup_note(data.baseline), "", "## Summary of successful runs", ""]
+          + _speedup_note(data.baseline), "", "## Summary of configurations", ""]
     table = summary_table(runs, data.baseline)
-    md = md[:-2] + headline_section(runs) + md[-2:]
-    md += _table(table) if len(table) else ["No successful run."]
+    md = md[:-2] + headline_section(runs) + ablation_section(runs) + md[-2:]
+    md += markdown_table(table) if len(table) else ["No successful run."]
     md += ["", "## Figures", ""]
     titles = {**TITLES, **({"speedup": f"Speedup over {data.baseline}"} if data.baseline else {})}
     for o in outcomes:
@@ -171,8 +52,8 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
         md.append("None.")
     for _, r in bad.iterrows():
         md.append(f"- **{r['status']}** `{r['system']}` {r['workload']} · {r['data_profile']} · "
-                  f"{_cell(r['layout_label'])} · {r['num_devices']} dev · {r['mode']} "
-                  f"(`{r['source']}`): {_cell(r['reason'])}")
+                  f"{cell(r['layout_label'])} · {r['num_devices']} dev · {r['mode']} "
+                  f"(`{r['source']}`): {cell(r['reason'])}")
     return "\n".join(md) + "\n"
 
 

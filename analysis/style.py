@@ -94,8 +94,9 @@ def with_groups(df: pd.DataFrame, with_system: bool = False,
 
 
 def bars(ax, df: pd.DataFrame, x: str, y: str, hue: str, order, hue_order, palette,
-         annotate: str | None = None, skip_annotate=()) -> None:
-    """Seaborn bars; a bar whose row is simulated (df['mode']) is hatched."""
+         annotate: str | None = None, skip_annotate=(), interval: tuple[str, str] | None = None) -> None:
+    """Seaborn bars; a bar whose row is simulated (df['mode']) is hatched; with `interval`
+    (low, high columns) a bar whose row has both gets an error bar from low to high."""
     sns.barplot(data=df, x=x, y=y, hue=hue, order=order, hue_order=hue_order, palette=palette,
                 errorbar=None, ax=ax, edgecolor="black", linewidth=0.6, legend=False,
                 width=min(0.8, 0.3 * len(hue_order)))  # a lone bar is not a wall
@@ -107,12 +108,24 @@ def bars(ax, df: pd.DataFrame, x: str, y: str, hue: str, order, hue_order, palet
             tick = order[int(round(bar.get_x() + bar.get_width() / 2))]
             if (tick, level) in sim:
                 bar.set_hatch(SIM_HATCH)
+            if interval:
+                _error_bar(ax, bar, df[(df[x] == tick) & (df[hue] == level)], interval)
         if annotate and level not in skip_annotate:
             ax.bar_label(container, fmt=annotate, fontsize=9, padding=2)
     if len(order) > 5:
         ax.tick_params(axis="x", labelrotation=30)
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")
+
+
+def _error_bar(ax, bar, rows: pd.DataFrame, interval: tuple[str, str]) -> None:
+    low, high = interval
+    if rows.empty or low not in rows or pd.isna(rows[low].iloc[0]) or pd.isna(rows[high].iloc[0]):
+        return
+    x, y = bar.get_x() + bar.get_width() / 2, bar.get_height()
+    lo, hi = float(rows[low].iloc[0]), float(rows[high].iloc[0])
+    ax.errorbar([x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt="none", ecolor="black",
+                elinewidth=1, capsize=3, zorder=3)
 
 
 def legend_handles(palette: dict, simulated: bool, labels: dict | None = None) -> list:

@@ -22,9 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--nproc", type=int, default=1)
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     run.add_argument("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--repeat", type=int, default=1, metavar="N",
+                     help="launch the configuration N times, one record each (tied by config_key)")
     _add_common(run)
     sweep = sub.add_parser("sweep", help="run a TOML matrix of runs, skipping those already recorded")
     sweep.add_argument("file", type=Path)
+    sweep.add_argument("--dry-run", action="store_true",
+                       help="validate every entry and print the order of the runs, launching nothing")
     _add_common(sweep)
     for name, module in _extra_commands():
         module.add_parser(sub)
@@ -57,11 +61,17 @@ def _dispatch(args) -> int:
         tags = parse_sets(args.tags)
         cfg, layout = resolve(args.system, args.workload, args.nproc, parse_sets(args.sets),
                               {k: str(v) for k, v in tags.items()})
-        record = runner.run(cfg, layout, results, args.wandb_mode)
-        return 0 if record["status"] == "ok" else 1
+        if args.repeat < 1:
+            raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
+        statuses = []
+        for i in range(1, args.repeat + 1):
+            if args.repeat > 1:
+                print(f"[bench] repeat {i}/{args.repeat}", flush=True)
+            statuses.append(runner.run(cfg, layout, results, args.wandb_mode, repeat=i)["status"])
+        return 0 if all(s == "ok" for s in statuses) else 1
     if args.command == "sweep":
         from bench.run.sweep import run_sweep
-        return run_sweep(args.file, results, args.wandb_mode)
+        return run_sweep(args.file, results, args.wandb_mode, dry_run=args.dry_run)
     return args.handler(args, results)
 
 

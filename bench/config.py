@@ -9,6 +9,7 @@ that choice.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,14 @@ def _check(cfg: RunConfig) -> None:
     from workloads.profiles import DATA_PROFILES
     if cfg.data.profile not in DATA_PROFILES:
         raise ConfigError(f"unknown data profile {cfg.data.profile!r}; choose one of {sorted(DATA_PROFILES)}")
+
+
+def config_key(config: RunConfig | dict) -> str:
+    """What ties the repeats of one configuration together: a hash of the resolved config
+    without its tags (which say why it ran, not what ran)."""
+    d = config.to_dict() if isinstance(config, RunConfig) else dict(config)
+    d.pop("tags", None)
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def dumps(cfg: RunConfig) -> str:

@@ -33,7 +33,10 @@ def build_record(*, run_id: str, system: str, workload: str, data_profile: str, 
                  layout: dict, num_devices: int, config: dict, env: dict, mode: str = "measured",
                  reason: str | None = None, steps: list[dict] | None = None,
                  metrics: dict | None = None, tags: dict | None = None,
-                 assumptions: dict | None = None) -> dict[str, Any]:
+                 assumptions: dict | None = None, config_key: str | None = None,
+                 repeat: int | None = None) -> dict[str, Any]:
+    """One record. `config_key` ties the repeats of one configuration (bench.config.config_key),
+    `repeat` is this one's 1-based index among them."""
     record = {
         "schema_version": SCHEMA_VERSION, "run_id": run_id, "mode": mode,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -44,6 +47,8 @@ def build_record(*, run_id: str, system: str, workload: str, data_profile: str, 
     }
     if assumptions is not None:
         record["assumptions"] = assumptions
+    if config_key is not None:
+        record["config_key"], record["repeat"] = config_key, repeat or 1
     validate_record(record)
     return record
 

@@ -9,12 +9,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from analysis import load as load_mod  # noqa: E402
 from analysis.__main__ import main  # noqa: E402
 from analysis.figures import FIGURES, NoData, draw_all  # noqa: E402
 from analysis.report import write_report  # noqa: E402
+from analysis.repeats import best_layouts  # noqa: E402
 from analysis.style import system_palette  # noqa: E402
 from bench.records import RecordError, build_record  # noqa: E402
 from systems.base import baseline_names, system_names  # noqa: E402
@@ -135,9 +137,10 @@ def test_runs_frame_one_row_per_record(data, results):
     assert sorted(runs.loc[runs["experiment"] == "reorder", "reorder"]) == ["both", "inter", "intra", "none"]
 
 
-def _tiny_speedups(runs) -> dict:
-    main_tiny = runs[(runs["workload"] == "tiny") & (runs["num_devices"] == 2)]
-    return main_tiny.groupby("system")["speedup"].max().to_dict()
+def _tiny_speedups(runs, baseline) -> dict:
+    best = best_layouts(runs, baseline=baseline)
+    main_tiny = best[(best["workload"] == "tiny") & (best["num_devices"] == 2)]
+    return main_tiny.set_index("system")["speedup"].to_dict()
 
 
 def test_steps_frame_and_speedup(data, results):
@@ -146,17 +149,16 @@ def test_steps_frame_and_speedup(data, results):
     assert {"run_id", "system", "step", "loss", "lm_loss", "timeline"} <= set(data.steps.columns)
     # By default speedups divide by the first registered baseline that has a run.
     assert data.baseline == baseline_names()[0]
-    speedups = _tiny_speedups(data.runs)
+    speedups = _tiny_speedups(data.runs, data.baseline)
     base = SYSTEM_SPEED[data.baseline]
     assert speedups == pytest.approx({s: v / base for s, v in SYSTEM_SPEED.items()})
-    assert data.runs[data.runs["status"] != "ok"]["speedup"].isna().all()
 
 
 def test_baseline_option_changes_the_speedup_reference(results, tmp_path, capsys):
     data = load_mod.load(results[0], baseline="megatron")
     assert data.baseline == "megatron"
     expected = {"megatron": 1.0, "deepspeed": 0.9, "disttrain": 1.45}
-    assert _tiny_speedups(data.runs) == pytest.approx(expected)
+    assert _tiny_speedups(data.runs, data.baseline) == pytest.approx(expected)
     # Any system with a successful run may be the reference, not only a registered baseline.
     assert load_mod.load(results[0], baseline="disttrain").baseline == "disttrain"
     with pytest.raises(load_mod.BaselineError, match="nosuch"):
@@ -266,8 +268,44 @@ def test_headline_ratios_come_from_the_main_runs(data):
     main = data.runs[(data.runs["experiment"] == "main") & (data.runs["workload"] == "small")]
     best = main.groupby("system")["samples_per_s"].max()
     assert "## Headline" in text
-    assert f"{best['disttrain'] / best['megatron']:.2f}× megatron" in text
-    assert f"{best['disttrain'] / best['deepspeed']:.2f}× deepspeed" in text
+    assert f"disttrain vs megatron: {best['disttrain'] / best['megatron']:.2f}×" in text
+    assert f"disttrain vs deepspeed: {best['disttrain'] / best['deepspeed']:.2f}×" in text
+
+
+def _repeats(system, speeds, start, key):
+    """Measured records of one configuration, one per repeat (samples/s = 3 x speed each)."""
+    out = []
+    for k, speed in enumerate(speeds):
+        r = _record(start + k, system, "small", 4, speed=speed, timeline=False)
+        r.update(config_key=key, repeat=k + 1)
+        out.append(r)
+    return out
+
+
+def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
+    rng = np.random.default_rng(3)
+    recs = (_repeats("megatron", 1.00 * (1 + 0.02 * rng.standard_normal(5)), 0, "m")
+            + _repeats("deepspeed", 1.02 * (1 + 0.10 * rng.standard_normal(5)), 10, "d")
+            + _repeats("disttrain", 1.50 * (1 + 0.02 * rng.standard_normal(5)), 20, "t"))
+    for r in recs:
+        r["metrics"].update(busy_machine=False, outside_cpu_share=0.01)
+    recs[3]["metrics"].update(busy_machine=True, outside_cpu_share=0.4)
+    write_results(tmp_path / "r", recs)
+    data = load_mod.load(tmp_path / "r", baseline="megatron")
+    best = best_layouts(data.runs, baseline="megatron").set_index("system")
+    assert list(best["n_repeats"]) == [5, 5, 5]
+    assert best.loc["disttrain", "samples_per_s"] == pytest.approx(       # the median, not the best repeat
+        np.median([r["metrics"]["samples_per_s"] for r in recs if r["system"] == "disttrain"]))
+    assert best.loc["disttrain", "speedup_low"] > 1.0
+    from analysis.report import headline_section
+    text = "\n".join(headline_section(data.runs))
+    assert "- disttrain vs megatron: " in text and text.split("- disttrain vs megatron: ")[1].split("\n")[0].endswith(
+        "faster.")
+    assert "- disttrain vs deepspeed: " in text
+    assert "| megatron | tp1-pp1-dp4 | 5 |" in text
+    assert "1 of 15 measured runs were measured on a busy machine" in text
+    report = write_report(tmp_path / "r", tmp_path / "out", baseline="megatron").read_text()
+    assert "| 5 |" in report and "speedup vs megatron" in report
 
 
 TOY = "toy-dp"  # a system defined only in this test, never registered
@@ -300,20 +338,20 @@ def test_unregistered_system_is_ordered_colored_and_reported(tmp_path):
     assert "*Skipped:" not in text.split("## Figures")[1].split("### Ablation")[0]
     assert f"| {TOY} | small |" in text
     best = data.runs[data.runs["experiment"] == "main"].groupby("system")["samples_per_s"].max()
-    ratios = ", ".join(f"{best[TOY] / best[b]:.2f}× {b}" for b in baseline_names())
-    assert f"{TOY} throughput ratio: {ratios}." in text
-    assert "disttrain throughput ratio:" in text and "megatron throughput ratio" not in text
+    for b in baseline_names():      # one run each: the ratio, and no verdict without repeats
+        assert f"- {TOY} vs {b}: {best[TOY] / best[b]:.2f}× (one run each" in text
+    assert "- disttrain vs megatron:" in text and "- megatron vs" not in text
 
 
 def test_no_baseline_skips_speedups_with_a_note(tmp_path, capsys):
     d = tmp_path / "results"
     write_results(d, [r for r in toy_records() if r["system"] not in baseline_names()])
     data = load_mod.load(d)
-    assert data.baseline is None and data.runs["speedup"].isna().all()
+    assert data.baseline is None
     with pytest.raises(NoData, match="--baseline"):
         FIGURES["speedup"](data)
     text = write_report(d, tmp_path / "out").read_text()
     assert "No speedup is given" in text and "speedup vs" not in text
-    assert "throughput ratio" not in text  # no baseline to compare against
+    assert " vs " not in text.split("## Headline")[1].split("## Summary")[0]  # no baseline to compare against
     assert main(["report", "--results", str(d), "--out", str(tmp_path / "o"), "--baseline", TOY]) == 0
     assert f"speedup vs {TOY}" in (tmp_path / "o" / "report.md").read_text()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.config import resolve
+from bench.config import config_key, resolve
 from bench.records import build_record, new_run_id, read_records, validate_record
 from bench.sim.cluster import cluster_from_profile
 from bench.sim.validate import markdown, simulate_measured, validate
@@ -30,14 +30,17 @@ def synthetic_profile(workload: str = "tiny") -> dict:
     }
 
 
-def measured_record(system: str, nproc: int, sets: dict, step_s: float, workload: str = "tiny") -> dict:
+def measured_record(system: str, nproc: int, sets: dict, step_s: float, workload: str = "tiny",
+                    repeat: int = 1, outside: float | None = None) -> dict:
     cfg, layout = resolve(system, workload, nproc, sets)
     steps = [{"step": s, "warmup": False, "latency_s": step_s, "loss": 1.0} for s in range(2, 5)]
     return build_record(run_id=new_run_id(), system=system, workload=workload, data_profile=cfg.data.profile,
                         status="ok", layout=layout.as_dict(), num_devices=nproc, config=cfg.to_dict(),
                         env={"device": "cpu", "hardware": {"cpu_count": 2}}, steps=steps,
                         metrics={"samples_per_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "mfu_per_module": {},
-                                 "step_time_s": step_s})
+                                 "step_time_s": step_s,
+                                 **({} if outside is None else {"outside_cpu_share": outside})},
+                        config_key=config_key(cfg), repeat=repeat)
 
 
 @pytest.fixture
@@ -70,7 +73,8 @@ def test_validation_appends_tagged_records_and_a_table(setup):
         assert m["error_pct"] == pytest.approx(100 * (m["iteration_time_s"] - m["measured_iteration_time_s"])
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
-    assert "| system | workload | layout | nproc | measured iteration s | simulated s | error % |" in text
+    assert ("| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
+            "| within spread | other load % |") in text
     assert text.count("\n| megatron") == 1 and text.count("\n| disttrain") == 2
     # idempotent: a second pass with the same profile appends nothing
     validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
@@ -79,12 +83,31 @@ def test_validation_appends_tagged_records_and_a_table(setup):
 
 def test_report_section_pairs_simulated_with_measured(setup):
     from analysis.load import load
-    from analysis.report import validation_section, validation_table
+    from analysis.tables import validation_section, validation_table
     results, profiles, _ = setup
     validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
     table = validation_table(load(results.parent).runs)
     assert len(table) == 4 and set(table["system"]) == {"megatron", "deepspeed", "disttrain"}
     assert "## Simulator validation" in "\n".join(validation_section(load(results.parent).runs))
+
+
+def test_repeats_are_one_configuration_with_a_spread(tmp_path):
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
+    results = tmp_path / "runs.jsonl"
+    recs = [measured_record("megatron", 2, {}, t, repeat=i + 1, outside=0.01 * i)
+            for i, t in enumerate((0.05, 0.04, 0.09))]
+    with open(results, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    rows, md = validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
+    (row,) = rows
+    assert row["repeats"] == 3 and row["measured_s"] == 0.05 and (row["measured_low_s"], row["measured_high_s"]) == (0.04, 0.09)
+    assert row["error_pct"] == pytest.approx(100 * (row["simulated_s"] - 0.05) / 0.05)
+    assert row["within_spread"] == (0.04 <= row["simulated_s"] <= 0.09) and row["outside_cpu_share"] == 0.01
+    text = md.read_text()
+    assert f"{int(row['within_spread'])}/1 within the measured spread" in text and "| 3 | 0.05 | 0.04..0.09 (±50%)" in text
 
 
 def test_oversubscription_is_explicit(setup):

@@ -52,6 +52,12 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
     }
     if raw.get("weight_update_norm"):
         metrics["weight_update_norm"] = raw["weight_update_norm"]
+    if raw.get("machine"):            # bench.run.machine: other processes' CPU during the measured steps
+        metrics.update(raw["machine"])
+    if raw.get("launch_phases_s"):    # where the launch's fixed cost went, rank 0's view
+        metrics["launch_phases_s"] = raw["launch_phases_s"]
+    if raw.get("launch_wall_s"):      # torchrun start to exit, as the runner saw it
+        metrics["launch_wall_s"] = raw["launch_wall_s"]
     if any(busy):
         # Idle (bubble) share of rank-time: what ranks did not spend computing.
         metrics["bubble_fraction"] = 1 - sum(busy) / (ranks * sum(latencies))

@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench import environment, records
-from bench.config import RunConfig, dumps
+from bench.config import RunConfig, config_key, dumps
+from bench.run import machine
 from systems.base import Layout
 from workloads.presets import get_workload
 
@@ -42,7 +44,8 @@ def prepare_dataset(cfg: RunConfig) -> Path:
 
 
 def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_mode: str | None = None,
-        quiet: bool = False) -> dict:
+        quiet: bool = False, repeat: int = 1) -> dict:
+    """One fresh launch of `cfg`; `repeat`: its 1-based index among the repeats of this configuration."""
     run_id = records.new_run_id()
     dataset = prepare_dataset(cfg)
     logs = results.parent / "logs"
@@ -57,10 +60,13 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
               flush=True)
         if not quiet:
             print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
+        start = time.perf_counter()
         with _data_service(cfg, dataset) as service_env:
             rc, tail = _launch(cmd, cfg, log_path, quiet, service_env)
         raw = json.loads(out.read_text()) if rc == 0 and out.exists() else None
-    record = _record(cfg, layout, run_id, raw, rc, tail, dataset)
+        if raw is not None:
+            raw["launch_wall_s"] = round(time.perf_counter() - start, 3)
+    record = _record(cfg, layout, run_id, raw, rc, tail, dataset, repeat)
     records.append_record(record, results)
     from bench.run import wandb_mirror
     wandb_mirror.mirror(record, results.parent, wandb_mode)
@@ -83,6 +89,7 @@ def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_e
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", str(cfg.threads_per_proc))
     env["PYTHONWARNINGS"] = "ignore"
+    env[machine.ROOT_ENV] = str(os.getpid())      # the run's processes: this one and its descendants
     env.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" else "cuda")
     lines: list[str] = []
     with open(log_path, "w") as log:
@@ -120,10 +127,12 @@ def _failure_reason(lines: list[str]) -> str:
     return (lines[-1] if lines else "no output")[:400]
 
 
-def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str, dataset: Path) -> dict:
+def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str, dataset: Path,
+            repeat: int = 1) -> dict:
     common = dict(run_id=run_id, system=cfg.system, workload=cfg.workload, data_profile=cfg.data.profile,
                   layout=layout.as_dict(), num_devices=layout.num_devices, config=cfg.to_dict(),
-                  env=environment.describe(cfg.device, cfg.nproc, cfg.backend), tags=cfg.tags)
+                  env=environment.describe(cfg.device, cfg.nproc, cfg.backend), tags=cfg.tags,
+                  config_key=config_key(cfg), repeat=repeat)
     if raw is None:
         return records.build_record(status="failed", reason=f"exit code {rc}: {tail}", **common)
     from bench.data.source import DataPlan

@@ -9,9 +9,12 @@
     nproc = 2
     sets = { tp = [1, 2] }          # lists inside sets expand too
     tags = { experiment = "main" }
+    repeat = 5                      # launches of each configuration, one record each
 
 Every entry is resolved and validated before the first process starts, so a typo in the
-last entry fails the sweep at once instead of after an hour.
+last entry fails the sweep at once instead of after an hour. Repeats are interleaved: round r
+runs the r-th repeat of every configuration that asks for one (A B C A B C ..., not
+A A A B B B), so drift in the machine's state hits every configuration alike.
 """
 from __future__ import annotations
 
@@ -57,7 +60,10 @@ def load_sweep(path: Path) -> list[tuple]:
                                       {k: str(v) for k, v in run["tags"].items()})
             except (ConfigError, KeyError) as e:
                 raise ConfigError(f"{path}: run #{i + 1} ({run.get('system')}): {e}") from None
-            planned.append((cfg, layout))
+            repeats = run.get("repeat", 1)
+            if not isinstance(repeats, int) or repeats < 1:
+                raise ConfigError(f"{path}: run #{i + 1} ({run.get('system')}): repeat = {repeats!r}; give an integer >= 1")
+            planned.append((cfg, layout, repeats))
     if not planned:
         raise ConfigError(f"{path} has no [[run]] entries")
     return planned
@@ -112,27 +118,41 @@ def run_simulations(entries: list[dict], results: Path) -> int:
     return sum(r["status"] != "ok" for r in out)
 
 
-def run_sweep(path: Path, results: Path, wandb_mode: str | None = None) -> int:
+def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run: bool = False) -> int:
+    """Simulations first, then the measured runs in interleaved order; dry_run: print the order only."""
     try:
         spec = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read sweep {path}: {e}") from None
-    if "simulate" in spec:
+    if "simulate" in spec and not dry_run:
         run_simulations(spec["simulate"], results)
         if "run" not in spec:
             return 0
     planned = load_sweep(path)
-    done = set()
+    done: dict[str, int] = {}                  # configuration (with its tags) -> ok records
     for file in results.parent.glob("*.jsonl"):
-        done |= {_key(r["config"]) for r in records.read_records(file) if r["status"] == "ok"
-                 and r["mode"] == "measured"}
+        for r in records.read_records(file):
+            if r["status"] == "ok" and r["mode"] == "measured":
+                done[_key(r["config"])] = done.get(_key(r["config"]), 0) + 1
+    order = interleaved(planned)
     failures = 0
-    for n, (cfg, layout) in enumerate(planned, 1):
-        if _key(cfg.to_dict()) in done:
-            print(f"[sweep] {n}/{len(planned)} {cfg.system} {layout.label}: already recorded, skipped", flush=True)
+    for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
+        what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
+        if done.get(_key(cfg.to_dict()), 0) >= repeat:
+            print(f"{what}: already recorded, skipped", flush=True)
             continue
-        print(f"[sweep] {n}/{len(planned)}", flush=True)
-        record = runner.run(cfg, layout, results, wandb_mode, quiet=True)
+        print(what + (" (dry run)" if dry_run else ""), flush=True)
+        if dry_run:
+            continue
+        record = runner.run(cfg, layout, results, wandb_mode, quiet=True, repeat=repeat)
         failures += record["status"] == "failed"
-    print(f"[sweep] done: {len(planned)} runs, {failures} failed", flush=True)
+    print(f"[sweep] done: {len(order)} runs, {failures} failed", flush=True)
     return 0
+
+
+def interleaved(planned: list[tuple]) -> list[tuple]:
+    """(cfg, layout, repeat, repeats) in rounds: every configuration's first repeat, then every
+    second repeat of those that ask for more, ..."""
+    rounds = max((p[2] for p in planned), default=0)
+    return [(cfg, layout, r, repeats) for r in range(1, rounds + 1) for cfg, layout, repeats in planned
+            if r <= repeats]

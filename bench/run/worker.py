@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from bench.config import RunConfig
+from bench.run import machine
 from bench.metrics import peak_flops_per_device
 from systems.base import TIMELINE_KINDS, Layout, TrainContext, get_system
 from workloads.presets import Workload, get_workload
@@ -57,9 +58,12 @@ def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank
 
 def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    phases = machine.Phases()          # where a launch's fixed cost goes (rank 0's view)
+    phases.mark("imports")             # interpreter start to here: Python, torch, our modules
     torch.set_num_threads(cfg.threads_per_proc)
     device = _device(cfg)
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    phases.mark("init_process_group")
     workload = get_workload(cfg.workload, cfg.data.profile)
     adapter = get_system(cfg.system)
     layout = adapter.layout(cfg.options, cfg.nproc, workload, cfg.global_batch_size, cfg.micro_batch_size)
@@ -69,19 +73,24 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     dist.barrier()
     peak, peak_source = peak_flops_per_device(device.type, cfg.dtype,
                                               torch.cuda.get_device_name() if device.type == "cuda" else "")
+    phases.mark("peak_flops")
 
     source, plan = _make_source(cfg, workload, dataset, device, rank, layout)
     ctx = TrainContext(options=cfg.options, seed=cfg.seed, optim=cfg.optim, global_batch_size=cfg.global_batch_size,
                        micro_batch_size=cfg.micro_batch_size, workload=workload, layout=layout, rank=rank,
                        world_size=world, device=device, dtype=dtype, data=source)
     adapter.setup(ctx)
+    phases.mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
     steps = []
     total = cfg.warmup + cfg.steps
     fault = _fault_injection()
+    machine_start = None
     for step in range(total):
         if fault == (rank, step):
             os._exit(17)       # a rank dying mid-run, for the failure tests
         dist.barrier()
+        if step == cfg.warmup and rank == 0:
+            machine_start = machine.snapshot()
         wait_before = source.wait_s
         start = time.perf_counter()
         result = adapter.train_step(step)
@@ -110,6 +119,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
                   f"loss {entry['loss']:.5f} {latency:.3f} s", flush=True)
         if step == total - 1 and adapter.records_timeline:
             _attach_timeline(steps, result.timeline, rank, world, device)
+    machine_load = machine.outside_load(machine_start, machine.snapshot()) if rank == 0 else None
+    phases.mark("steps")
     updates = adapter.weight_updates()
     update_norms = None
     if updates is not None:
@@ -126,12 +137,15 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     peak_mean = peak_t.item() / world
     mem = torch.tensor([_peak_memory_gib(device)], dtype=torch.float64, device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    phases.mark("final_peak_flops")
     adapter.teardown()
     source.close()
+    phases.mark("teardown")
     if rank == 0:
         payload = {"steps": steps, "peak_flops_per_device": peak_mean, "peak_flops_source": peak_source,
                    "peak_memory_gib": mem.item(), "world_size": world,
-                   "weight_update_norm": update_norms}
+                   "weight_update_norm": update_norms, "machine": machine_load,
+                   "launch_phases_s": phases.durations}
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(payload))
         tmp.rename(out)

@@ -16,7 +16,6 @@ layout, nproc, measured iteration s, simulated s, error %.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -130,50 +129,63 @@ def _seq(record: dict) -> int:
 
 
 def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
-    """(measured, simulated) record pairs -> rows of the validation table."""
-    rows = []
+    """(measured, simulated) record pairs -> one row per measured configuration: the median of
+    its repeats' step times, their spread (min..max), the simulated time (the same for every
+    repeat: same steps, same samples) and the error against the median."""
+    groups: dict[str, list[tuple[dict, dict]]] = {}
     for meas, sim in pairs:
-        m, s = measured_step_s(meas), float(sim["metrics"]["iteration_time_s"])
+        groups.setdefault(meas.get("config_key") or meas["run_id"], []).append((meas, sim))
+    rows = []
+    for group in groups.values():
+        measured = [measured_step_s(m) for m, _ in group]
+        simulated = statistics.median(float(s["metrics"]["iteration_time_s"]) for _, s in group)
+        median, low, high = statistics.median(measured), min(measured), max(measured)
+        shares = [m["metrics"].get("outside_cpu_share") for m, _ in group]
+        shares = [x for x in shares if x is not None]
+        meas = group[0][0]
         rows.append({"system": meas["system"], "workload": meas["workload"],
                      "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
-                     "measured_s": m, "simulated_s": s, "error_pct": 100.0 * (s - m) / m,
-                     "measured_run_id": meas["run_id"]})
+                     "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
+                     "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
+                     "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
+                     "outside_cpu_share": statistics.median(shares) if shares else None,
+                     "measured_run_ids": [m["run_id"] for m, _ in group]})
     return rows
 
 
-def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: float = GOAL_PCT,
-             background: dict | None = None) -> str:
-    """The validation table; `background` (run_id -> {"background_share_mean": share of the machine's
-    CPU other processes used during that run}) adds a column and a summary of the quiet runs."""
+def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: float = GOAL_PCT) -> str:
+    """The validation table: per measured configuration, the simulator against the median of its
+    repeats and their spread; the summary counts configurations whose error lies within the spread."""
     lines = ["# Simulator validation", "",
-             "Measured CPU runs against the simulator on a CPU cluster built from this machine's profile "
-             "(`python -m bench validate`). Error = (simulated - measured) / measured.", ""]
+             "Measured CPU configurations against the simulator on a CPU cluster built from this machine's "
+             "profile (`python -m bench validate`). Error = (simulated - median of the repeats) / median; "
+             "spread = the repeats' range (min..max, ± half of it relative to the median); other load = the "
+             "median share of the machine's CPU that processes outside the run used while it measured.", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
-    bg = background or {}
-    head = "| system | workload | layout | nproc | measured iteration s | simulated s | error % |"
-    lines += [head + (" other load % |" if bg else ""), "|---|---|---|---|---|---|---|" + ("---|" if bg else "")]
+    lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
+              "| within spread | other load % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         extra = " (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else ""
-        share = (bg.get(r["measured_run_id"]) or {}).get("background_share_mean")
-        cell = (f" {100 * share:.0f} |" if share is not None else " ? |") if bg else ""
-        lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | "
-                     f"{r['measured_s']:.4g} | {r['simulated_s']:.4g} | {r['error_pct']:+.1f} |" + cell)
+        share = "?" if r.get("outside_cpu_share") is None else f"{100 * r['outside_cpu_share']:.0f}"
+        lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | {r['repeats']} | "
+                     f"{r['measured_s']:.4g} | {r['measured_low_s']:.4g}..{r['measured_high_s']:.4g} "
+                     f"(±{r['spread_pct']:.0f}%) | {r['simulated_s']:.4g} | {r['error_pct']:+.1f} | "
+                     f"{'yes' if r['within_spread'] else 'no'} | {share} |")
+
     def stats(rs, what):
         errs = [abs(r["error_pct"]) for r in rs]
-        return (f"{what}: {len(rs)} runs, mean |error| {statistics.fmean(errs):.1f}%, median "
-                f"{statistics.median(errs):.1f}%, max {max(errs):.1f}%; {sum(e <= goal for e in errs)}/{len(rs)} "
-                f"within {goal:g}%.") if rs else f"{what}: none."
+        return (f"{what}: {len(rs)} configurations, mean |error| {statistics.fmean(errs):.1f}%, median "
+                f"{statistics.median(errs):.1f}%, max {max(errs):.1f}%; {sum(r['within_spread'] for r in rs)}/"
+                f"{len(rs)} within the measured spread, {sum(e <= goal for e in errs)}/{len(rs)} within "
+                f"{goal:g}%.") if rs else f"{what}: none."
     if rows:
         lines += ["", stats(rows, "All")]
         for wl in sorted({r["workload"] for r in rows}):
             lines.append(stats([r for r in rows if r["workload"] == wl], f"`{wl}`"))
-        if bg:
-            quiet = [r for r in rows if (bg.get(r["measured_run_id"]) or {}).get("background_share_mean", 1) < 0.1]
-            lines += ["", "Other load: share of the machine's CPU used by processes outside the run while it ran "
-                          "(sampled each second); a run sharing the CPU with others is slower than any model of "
-                          "this machine alone can say.", stats(quiet, "Runs with other load < 10%")]
+        repeated = [r for r in rows if r["repeats"] > 1]
+        lines.append(stats(repeated, "Configurations measured more than once"))
     else:
         lines += ["", "No measured CPU run to validate against."]
     return "\n".join(lines) + "\n"
@@ -192,7 +204,7 @@ def get_profile(workload: str, measure_missing: bool = True, log=print,
 
 
 def validate(results: Path, out_md: Path | None = None, measure_missing: bool = True, force: bool = False,
-             log=print, profile_dir: Path | None = None, background: dict | None = None) -> tuple[list[dict], Path]:
+             log=print, profile_dir: Path | None = None) -> tuple[list[dict], Path]:
     """Append validation records for the measured runs in `results`; write the Markdown table."""
     from bench.records import append_record, read_records
     records = read_records(results) if results.exists() else []
@@ -224,10 +236,11 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     pairs = [(by_id[mid], s) for mid, s in latest.items() if mid in by_id]
     rows = table_rows(pairs)
     out_md = out_md or results.parent / "validation.md"
-    out_md.write_text(markdown(rows, paths, background=background))
+    out_md.write_text(markdown(rows, paths))
     for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
-            f"{row['measured_s']:.4g} s, simulated {row['simulated_s']:.4g} s ({row['error_pct']:+.1f}%)")
+            f"{row['measured_s']:.4g} s (median of {row['repeats']}, ±{row['spread_pct']:.0f}%), simulated "
+            f"{row['simulated_s']:.4g} s ({row['error_pct']:+.1f}%)")
     return rows, out_md
 
 
@@ -241,8 +254,6 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="re-simulate runs already validated with this profile")
     p.add_argument("--profiles", type=Path, default=None, help="folder of this machine's profiles "
                    "(default results/profiles); a missing one is measured into it")
-    p.add_argument("--background", type=Path, default=None, help="JSON {run_id: {background_share_mean: ...}}: "
-                   "how much of the CPU other processes used during each measured run (adds a column)")
     p.set_defaults(handler=handle)
 
 
@@ -251,17 +262,11 @@ def handle(args, results_path) -> int:
     if not results.exists():
         print(f"error: no results file {results}", file=sys.stderr)
         return 2
-    background = None
-    if args.background:
-        try:
-            background = json.loads(Path(args.background).read_text())
-        except (OSError, ValueError) as e:
-            print(f"error: --background {args.background}: {e}", file=sys.stderr)
-            return 2
     rows, md = validate(results, args.out, measure_missing=not args.no_profile, force=args.force,
-                        background=background, profile_dir=args.profiles)
+                        profile_dir=args.profiles)
     errs = [abs(r["error_pct"]) for r in rows]
     summary = (f"mean |error| {statistics.fmean(errs):.1f}%, max {max(errs):.1f}%, "
+               f"{sum(r['within_spread'] for r in rows)}/{len(rows)} within the measured spread, "
                f"{sum(e <= GOAL_PCT for e in errs)}/{len(errs)} within {GOAL_PCT:g}%") if errs else "nothing to validate"
-    print(f"[validate] {len(rows)} measured runs vs simulated: {summary}; table {md}")
+    print(f"[validate] {len(rows)} measured configurations vs simulated: {summary}; table {md}")
     return 0

@@ -1,0 +1,199 @@
+"""The report's tables: the headline comparison, one row per configuration, and the simulator
+against the measured repeats. Every number that summarizes repeats comes from analysis.repeats
+and analysis.stats (median, 95% interval, verdict only beyond the noise)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from analysis.load import ABLATIONS, VARIANTS, is_baseline, ok, sort_key, system_order
+from analysis.repeats import best_layouts, configurations
+from analysis.stats import ratio_of_medians, summarize
+
+ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
+
+
+def cell(value) -> str:
+    text = "" if value is None or (isinstance(value, float) and pd.isna(value)) else str(value)
+    text = " ".join(text.split())
+    return (text[:200] + "…" if len(text) > 200 else text).replace("|", "\\|")
+
+
+def markdown_table(df: pd.DataFrame) -> list[str]:
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return lines
+
+
+def num(fmt: str):
+    return lambda v: "—" if pd.isna(v) else format(v, fmt)
+
+
+def interval(low, high, fmt: str = ".4g") -> str:
+    return "—" if pd.isna(low) or pd.isna(high) else f"[{low:{fmt}}, {high:{fmt}}]"
+
+
+def _experiment(run) -> str:
+    """'reorder: intra' for an ablation run, else the experiment tag."""
+    name = run["experiment"]
+    if pd.isna(name):
+        return "—"
+    variant = VARIANTS.get(name)
+    return f"{name}: {run[variant]}" if variant and pd.notna(run[variant]) else str(name)
+
+
+def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFrame:
+    """One row per configuration (its repeats summarized); a "speedup vs <baseline>" column
+    (ratio of medians with its 95% interval) when there is a baseline."""
+    configs = configurations(runs)
+    if configs.empty:
+        return pd.DataFrame()
+    configs = configs.sort_values(ORDER, key=sort_key)
+    table = pd.DataFrame({
+        "system": configs["system"], "workload": configs["workload"], "profile": configs["data_profile"],
+        "layout": configs["layout_label"], "devices": configs["num_devices"], "mode": configs["mode"],
+        "experiment": [_experiment(r) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
+        "samples/s (median)": configs["samples_per_s"].map(num(".4g")),
+        "95% interval": [interval(lo, hi) for lo, hi in zip(configs["samples_per_s_low"],
+                                                            configs["samples_per_s_high"])],
+        "MFU %": (configs["mfu"] * 100).map(num(".3g")),
+    })
+    if baseline is not None:
+        best = best_layouts(runs, keys=None, baseline=baseline)
+        ref = {tuple(r[k] for k in ("workload", "data_profile", "mode", "num_devices")): r["repeat_values"]
+               for _, r in best[best["system"] == baseline].iterrows()}
+        speedups = []
+        for _, r in configs.iterrows():
+            values = ref.get((r["workload"], r["data_profile"], r["mode"], r["num_devices"]))
+            ratio = ratio_of_medians(r["repeat_values"], values) if values is not None else None
+            speedups.append("—" if ratio is None else f"{ratio.value:.2f}× {interval(ratio.low, ratio.high, '.2f')}")
+        table[f"speedup vs {baseline}"] = speedups
+    return table
+
+
+def _ratio_lines(best: pd.DataFrame) -> list[str]:
+    """'<system> vs <baseline>: 1.02× [0.95, 1.10], no difference beyond the noise (±10%).' for
+    each system under study against each baseline (best: best configuration per system)."""
+    order = system_order(best.index)
+    baselines = [s for s in order if is_baseline(s)]
+    lines = []
+    for system in (s for s in order if s not in baselines):
+        for b in baselines:
+            words = ratio_of_medians(best.loc[system, "repeat_values"], best.loc[b, "repeat_values"]).verdict()
+            lines += [f"- {system} vs {b}: {words}."]
+    return lines + [""] if lines else []
+
+
+def headline_section(runs: pd.DataFrame) -> list[str]:
+    """The main comparison (tag experiment=main): each system's best configuration by median
+    samples/s with its 95% interval, and each system under study against each baseline."""
+    main = ok(runs[runs["experiment"] == "main"])
+    if main.empty:
+        return []
+    md = ["## Headline: the main comparison", "",
+          "Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
+          "configurations interleaved), the 95% bootstrap interval of the median, and ratios of "
+          "medians with their 95% interval; a system is called faster or slower only when the "
+          "interval excludes 1.", ""]
+    for (workload, profile, mode, devices), group in main.groupby(
+            ["workload", "data_profile", "mode", "num_devices"], sort=False):
+        best = best_layouts(group).set_index("system")
+        best = best.loc[system_order(best.index)]
+        md += [f"{workload} · {profile} · {devices} devices ({mode}):", ""]
+        rows = [{"system": s, "best layout": r["layout_label"], "repeats": r["n_repeats"],
+                 "samples/s (median)": f"{r['samples_per_s']:.4g}",
+                 "95% interval": interval(r["samples_per_s_low"], r["samples_per_s_high"]),
+                 "CV %": num(".1f")(100 * r["cv"]), "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
+        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best)
+    return md + busy_lines(runs)
+
+
+def busy_lines(runs: pd.DataFrame) -> list[str]:
+    """How many measured runs had the machine busy with other processes while they measured."""
+    measured = runs[(runs["mode"] == "measured") & (runs["status"] == "ok")]
+    known = measured[measured["busy_machine"].notna()]
+    if known.empty:
+        return []
+    busy = int(known["busy_machine"].astype(bool).sum())
+    share = known["outside_cpu_share"].median()
+    return [f"Machine state: {busy} of {len(known)} measured runs were measured on a busy machine (processes "
+            f"outside the run used at least 10% of its CPU during the measured steps); median outside share "
+            f"{100 * share:.1f}%.", ""]
+
+
+def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per measured configuration: the median of its repeats' step times and their spread
+    (min..max), the simulator's time for the same configuration (bench validate), the error,
+    and whether the simulation lies within the measured spread."""
+    cols = ["system", "workload", "layout", "nproc", "repeats", "measured median s", "spread", "simulated s",
+            "error %", "within spread"]
+    need = {"tags.measured_run_id", "metrics.iteration_time_s"}
+    if runs.empty or not need <= set(runs.columns):
+        return pd.DataFrame(columns=cols)
+    sim = runs[(runs["mode"] == "simulated") & (runs["experiment"] == "validation")
+               & runs["tags.measured_run_id"].notna() & (runs["status"] == "ok")]
+    sim = sim.sort_values("timestamp").drop_duplicates("tags.measured_run_id", keep="last")
+    meas = runs[(runs["mode"] == "measured") & (runs["status"] == "ok")].drop_duplicates("run_id").set_index("run_id")
+    meas = meas[meas.index.isin(sim["tags.measured_run_id"])]
+    if meas.empty:
+        return pd.DataFrame(columns=cols)
+    simulated = sim.set_index("tags.measured_run_id")["metrics.iteration_time_s"]
+    group = meas["config_key"].where(meas["config_key"].notna(), meas.index.to_series())
+    rows = []
+    for _, g in meas.groupby(group, sort=False):
+        times = g["step_time_s"].astype(float)
+        s = summarize(times)
+        sim_s = float(simulated.loc[g.index].median())
+        lo, hi = float(times.min()), float(times.max())
+        first = g.iloc[0]
+        rows.append({"system": first["system"], "workload": first["workload"], "layout": first["layout_label"],
+                     "nproc": int(first["num_devices"]), "repeats": s.n, "measured median s": s.median,
+                     "spread": f"{lo:.4g}..{hi:.4g} (±{50 * (hi - lo) / s.median:.0f}%)", "simulated s": sim_s,
+                     "error %": 100.0 * (sim_s - s.median) / s.median, "within spread": lo <= sim_s <= hi})
+    df = pd.DataFrame(rows, columns=cols)
+    return df.sort_values(["workload", "system", "nproc", "layout"], key=sort_key).reset_index(drop=True)
+
+
+def validation_section(runs: pd.DataFrame) -> list[str]:
+    md = ["## Simulator validation", ""]
+    table = validation_table(runs)
+    if table.empty:
+        return md + ["No validation yet: run `python -m bench validate` after measured CPU runs.", ""]
+    err = table["error %"].abs()
+    shown = table.assign(**{"measured median s": table["measured median s"].map(num(".4g")),
+                            "simulated s": table["simulated s"].map(num(".4g")),
+                            "error %": table["error %"].map(num("+.1f")),
+                            "within spread": table["within spread"].map({True: "yes", False: "no"})})
+    md += ["Each measured CPU configuration simulated on a CPU cluster built from this machine's profile "
+           "(`python -m bench profile`, `python -m bench validate`); error = (simulated - median of the "
+           "repeats) / median; spread = the repeats' range.", ""]
+    md += markdown_table(shown)
+    md += ["", f"{len(table)} configurations: mean |error| {err.mean():.1f}%, median {err.median():.1f}%, max "
+               f"{err.max():.1f}%; {int(table['within spread'].sum())}/{len(table)} within the measured spread, "
+               f"{int((err <= 10).sum())}/{len(table)} within 10%.", ""]
+    return md
+
+
+
+def ablation_section(runs: pd.DataFrame) -> list[str]:
+    """Each ablation's variants against its reference variant: ratio of median samples/s with
+    its 95% interval and a verdict only beyond the noise (the best configuration per variant)."""
+    lines = []
+    for experiment, (variant, variants) in ABLATIONS.items():
+        configs = configurations(runs[runs["experiment"] == experiment])
+        if configs.empty or configs[variant].isna().all():
+            continue
+        for (workload, system, devices), g in configs.groupby(["workload", "system", "num_devices"], sort=False):
+            best = g.loc[g.groupby(variant)["samples_per_s"].idxmax()].set_index(variant)
+            present = [v for v in variants if v in best.index]
+            if len(present) < 2:
+                continue
+            ref = present[0]
+            lines += [f"- {experiment} · {system} · {workload} · {devices} devices: "
+                      + "; ".join(f"{v} vs {ref}: "
+                                  + ratio_of_medians(best.loc[v, "repeat_values"], best.loc[ref, "repeat_values"]
+                                                     ).verdict() for v in present[1:])]
+    if not lines:
+        return []
+    return ["## Ablations: throughput against the reference variant", "",
+            "Ratio of median samples/s (best configuration of each variant) with its 95% interval.", "",
+            *lines, ""]

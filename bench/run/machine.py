@@ -1,0 +1,78 @@
+"""The machine's state while a run measures: how much CPU processes outside the run took.
+
+On a shared machine another tenant's work slows a run as much as anything the run does; a
+record that says how busy the machine was lets the report flag runs measured on a busy machine
+instead of mistaking the noise for an effect. The run's processes are the process that
+launched it (`bench run`, its pid in BENCH_RUN_ROOT_PID) and all its descendants: torchrun, the
+ranks, disaggregated preprocessing workers. Outside = the machine's busy CPU time (psutil's
+system-wide counters: /proc/stat on Linux) minus the run's own, over the measured steps.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+
+ROOT_ENV = "BENCH_RUN_ROOT_PID"
+# A run during which other processes used at least this share of the machine's CPU is flagged
+# busy: on 2 cores, one other busy process is half the machine.
+BUSY_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    wall_s: float
+    machine_busy_s: float     # all CPUs, all processes, since boot
+    run_s: float              # the run's processes, since they started
+    cpus: int
+
+
+def _busy(t) -> float:
+    return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) \
+        + getattr(t, "steal", 0.0)
+
+
+def _run_cpu_s(root_pid: int) -> float:
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        procs = [psutil.Process()]
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:      # exited between listing and reading: its time is lost to both sides
+            pass
+    return total
+
+
+def snapshot(root_pid: int | None = None) -> CpuSnapshot:
+    root = root_pid or int(os.environ.get(ROOT_ENV, 0)) or os.getpid()
+    return CpuSnapshot(time.perf_counter(), _busy(psutil.cpu_times()), _run_cpu_s(root), psutil.cpu_count() or 1)
+
+
+def outside_load(start: CpuSnapshot, end: CpuSnapshot) -> dict:
+    """What the machine did besides the run between two snapshots, for the record."""
+    wall = max(end.wall_s - start.wall_s, 1e-9)
+    outside = max(0.0, (end.machine_busy_s - start.machine_busy_s) - (end.run_s - start.run_s))
+    share = outside / (wall * end.cpus)
+    return {"outside_cpu_s": outside, "outside_cpu_share": share, "load_average_1m": os.getloadavg()[0],
+            "machine_cpus": end.cpus, "busy_machine": share >= BUSY_SHARE}
+
+
+class Phases:
+    """Seconds spent in each phase of a process, the first counted from the process's start
+    (interpreter start-up and imports included), each later one from the previous mark."""
+
+    def __init__(self):
+        self.durations: dict[str, float] = {}
+        self._last = psutil.Process().create_time()
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self.durations[name] = round(now - self._last, 3)
+        self._last = now

@@ -1,0 +1,74 @@
+"""Repeats: `bench run --repeat`, interleaved sweep repeats, configuration keys."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.config import config_key, resolve
+from bench.records import read_records
+from bench.run.sweep import interleaved, load_sweep
+from systems.base import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+TWO_ENTRIES = """
+[defaults]
+workload = "tiny"
+nproc = 2
+repeat = 3
+[[run]]
+system = "megatron"
+[[run]]
+system = "deepspeed"
+"""
+
+
+def test_config_key_ignores_tags_only():
+    a, _ = resolve("megatron", "tiny", 2, {}, {"experiment": "main"})
+    b, _ = resolve("megatron", "tiny", 2, {}, {"experiment": "other"})
+    c, _ = resolve("megatron", "tiny", 2, {"steps": 7})
+    assert config_key(a) == config_key(b) == config_key(a.to_dict()) != config_key(c)
+
+
+def test_sweep_repeats_are_interleaved(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(TWO_ENTRIES)
+    order = interleaved(load_sweep(path))
+    assert [(cfg.system, r) for cfg, _, r, _ in order] == [("megatron", 1), ("deepspeed", 1), ("megatron", 2),
+                                                           ("deepspeed", 2), ("megatron", 3), ("deepspeed", 3)]
+    path.write_text(TWO_ENTRIES.replace("repeat = 3", "repeat = 0"))
+    with pytest.raises(ConfigError, match="repeat = 0"):
+        load_sweep(path)
+
+
+@pytest.mark.multiprocess
+def test_sweep_log_shows_the_interleaved_order(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(TWO_ENTRIES)
+    p = subprocess.run([sys.executable, "-m", "bench", "sweep", str(path), "--dry-run", "--results",
+                        str(tmp_path / "r.jsonl")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if "(dry run)" in line]
+    assert [line.split()[2] + " " + line.split()[5] for line in lines] == [
+        "megatron 1/3", "deepspeed 1/3", "megatron 2/3", "deepspeed 2/3", "megatron 3/3", "deepspeed 3/3"]
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.multiprocess
+def test_run_repeat_appends_one_record_per_repeat(tmp_path):
+    results = tmp_path / "r.jsonl"
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "bench", "run", "--system", "megatron", "--workload", "tiny",
+                        "--nproc", "2", "--repeat", "3", "--set", "steps=2", "--set", "warmup=1",
+                        "--results", str(results)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    recs = read_records(results)
+    assert [r["status"] for r in recs] == ["ok"] * 3 and [r["repeat"] for r in recs] == [1, 2, 3]
+    assert len({r["config_key"] for r in recs}) == 1 and len({r["run_id"] for r in recs}) == 3
+    for r in recs:                      # the machine's state and where the launch's time went
+        m = r["metrics"]
+        assert 0.0 <= m["outside_cpu_share"] and m["machine_cpus"] >= 1 and isinstance(m["busy_machine"], bool)
+        assert {"imports", "setup", "steps"} <= set(m["launch_phases_s"]) and m["launch_wall_s"] > 0
