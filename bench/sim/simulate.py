@@ -105,8 +105,13 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     w, cl = get_workload(workload_name, profile), get_cluster(cluster)
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
     chosen, estimate = "given", None
+    reason = f"no {system} layout fits {num_gpus} GPUs in memory"
     if options is None or options == "auto":
-        chosen, found = "auto", search_layout(w, system, num_gpus, cl, seed, B, mbs)
+        try:
+            found = search_layout(w, system, num_gpus, cl, seed, B, mbs)
+        except ConfigError as e:
+            found, reason = None, f"layout search failed: {e}"
+        chosen = "auto"
         options, estimate = (found["options"], found["estimate_s"]) if found else (None, None)
     config = {"num_gpus": num_gpus, "cluster": cl.name, "seed": seed, "num_batches": num_batches, "reorder": reorder,
               "global_batch_size": B, "micro_batch_size": mbs, "layout_choice": chosen, "options": options}
@@ -117,7 +122,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
                    "activation_bytes_per_token_hidden_layer": C.ACT_BYTES,
                    "data": "per-sample images drawn like workloads.dataset.plan_sample with seed (seed, 1, index)"}
     if options is None:
-        return build_record(**common, status="skipped", reason=f"no {system} layout fits {num_gpus} GPUs in memory",
+        return build_record(**common, status="skipped", reason=reason,
                             layout={"label": "none"}, assumptions=assumptions)
     try:
         r = simulate(w, system, options, num_gpus, cl, seed, num_batches, reorder, B, mbs)

@@ -63,10 +63,14 @@ def simulate_step(layout, step, kit) -> StepCost:
 
 
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
-    """The ZeRO stage (and, simulated, recompute setting) that fits and simulates fastest, dp = every device."""
+    """The ZeRO stage (and, simulated, recompute setting) that fits and simulates fastest. DP is
+    every device (exact), or the most devices whose count divides the global batch in
+    microbatches (DeepSpeed's train_batch_size = micro batch x accumulation x DP); the rest idle."""
+    microbatches = global_batch_size // micro_batch_size
+    dp = num_devices if exact else max(d for d in range(1, min(num_devices, microbatches) + 1) if microbatches % d == 0)
     best = None
     for z, rc in product((1, 2, 3), (False,) if exact else (False, True)):
-        options = {"zero_stage": z, "dp": num_devices, "recompute": rc}
+        options = {"zero_stage": z, "dp": dp, "recompute": rc}
         r = kit.simulate(w, "deepspeed", options, num_devices, cluster, seed=seed, num_batches=1,
                          global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
         if r["feasible"] and (best is None or r["iteration_time_s"] < best["estimate_s"]):
