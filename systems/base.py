@@ -139,6 +139,10 @@ class SystemAdapter(ABC):
     options: ClassVar[dict[str, Any]] = {}
     # True: the worker gathers StepOutput.timeline of the last step from every rank.
     records_timeline: ClassVar[bool] = False
+    # The module that prices this system in the simulator (imported only when simulating): it
+    # defines simulate_step(layout, step, kit) and search(workload, n, cluster, kit, **kw); or
+    # override the two methods below.
+    sim_module: ClassVar[str | None] = None
 
     @abstractmethod
     def layout(self, options: dict[str, Any], nproc: int, workload: Workload, global_batch_size: int,
@@ -170,14 +174,24 @@ class SystemAdapter(ABC):
     # ---- simulation -------------------------------------------------------------------------
     def simulate_step(self, layout: Layout, step: SimStep, kit) -> StepCost:
         """One iteration priced with the shared cost model `kit` (bench.sim.kit)."""
-        raise NotImplementedError(f"system {self.name!r} has no cost model")
+        if self.sim_module is None:
+            raise NotImplementedError(f"system {self.name!r} has no cost model")
+        return importlib.import_module(self.sim_module).simulate_step(layout, step, kit)
 
     def search_layout(self, workload: Workload, num_devices: int, cluster, kit, *, seed: int,
                       global_batch_size: int, micro_batch_size: int, exact: bool) -> dict[str, Any] | None:
         """The options of the fastest layout the cost model finds (plus "estimate_s" and what
         the search did), or None if nothing fits. exact=True: a layout `bench run` can run on
         exactly `num_devices` processes (plan=auto); False: any layout of at most that many."""
-        raise ConfigError(f"system {self.name!r} has no layout search; give its layout explicitly")
+        if self.sim_module is None:
+            raise ConfigError(f"system {self.name!r} has no layout search; give its layout explicitly")
+        return importlib.import_module(self.sim_module).search(
+            workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size, exact=exact)
+
+    @classmethod
+    def has_cost_model(cls) -> bool:
+        return cls.sim_module is not None or cls.simulate_step is not SystemAdapter.simulate_step
 
 
 _REGISTRY: dict[str, type[SystemAdapter]] = {}

@@ -26,9 +26,9 @@ GOAL_PCT = 10.0
 
 def simulatable(system: str) -> bool:
     """Whether `system` is registered and prices its iterations (SystemAdapter.simulate_step)."""
-    from systems.base import ConfigError, SystemAdapter, get_system
+    from systems.base import ConfigError, get_system
     try:
-        return type(get_system(system)).simulate_step is not SystemAdapter.simulate_step
+        return get_system(system).has_cost_model()
     except ConfigError:
         return False
 

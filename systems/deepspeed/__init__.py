@@ -70,6 +70,7 @@ class DeepSpeedSystem(SystemAdapter):
     # unpartitioned (DeepSpeed's default). 0 partitions every parameter, even in tiny models.
     # dp: 0 = every device; recompute (full activation recomputation) is simulated only.
     options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD, "dp": 0, "recompute": False}
+    sim_module = "systems.deepspeed.sim"
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         stage = _zero_stage(options)
@@ -93,16 +94,6 @@ class DeepSpeedSystem(SystemAdapter):
         if not m:
             raise ConfigError(f"deepspeed layout {label!r}: write zeroZ[-dpD][-rc] (e.g. zero3-dp8)")
         return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[3])}
-
-    def simulate_step(self, layout, step, kit):
-        from systems.deepspeed import sim
-        return sim.simulate_step(layout, step, kit)
-
-    def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,
-                      exact):
-        from systems.deepspeed import sim
-        return sim.search(workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
-                          micro_batch_size=micro_batch_size, exact=exact)
 
     def setup(self, ctx) -> None:
         from systems import mcore

@@ -20,6 +20,7 @@ class DistTrainSystem(SystemAdapter):
     name = "disttrain"
     # plan: "auto" asks the orchestrator (search_layout); recompute is simulated only.
     options = {"plan": "", "placement": "disaggregated", "recompute": False}
+    sim_module = "systems.disttrain.sim"
     records_timeline = True
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
@@ -46,19 +47,6 @@ class DistTrainSystem(SystemAdapter):
         text = text.removeprefix("colocated ").strip()
         rc = text.endswith("-rc")
         return {"plan": text.removesuffix("-rc"), "placement": PLACEMENTS[colocated], "recompute": rc}
-
-    def simulate_step(self, layout, step, kit):
-        if layout.details["placement"] == "colocated":
-            from systems.disttrain import sim_colocated as sim
-        else:
-            from systems.disttrain import sim
-        return sim.simulate_step(layout, step, kit)
-
-    def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,
-                      exact):
-        from systems.disttrain import search
-        return search.search(workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
-                             micro_batch_size=micro_batch_size, exact=exact)
 
     def setup(self, ctx) -> None:
         from systems import mcore

@@ -3,14 +3,17 @@
 Disaggregated: one chain encoder group -> backbone stages -> generator group under 1F1B;
 global microbatch j = microbatch j of every backbone replica, its images spread over the
 encoder (generator) replicas image by image (or, in validation, exactly the trainers' rows).
-The colocated placement is priced by systems.disttrain.sim_colocated.
+The colocated placement is priced by systems.disttrain.sim_colocated, the layout search is
+systems.disttrain.search.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from systems.base import MODULES, StepCost
+from systems.disttrain import sim_colocated
 from systems.disttrain.plan import module_layouts
+from systems.disttrain.search import search  # noqa: F401  (this module is the adapter's sim_module)
 from workloads.reorder import ModuleCost, assign_for_module, inter_microbatch_order, intra_microbatch_assign
 
 
@@ -35,6 +38,8 @@ def _module_ranks(bc, key, lay, gm, j, rd_ranks, reorder, cluster, host):
 
 
 def simulate_step(layout, step, kit) -> StepCost:
+    if layout.details["placement"] == "colocated":
+        return sim_colocated.simulate_step(layout, step, kit)
     C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
     w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
     lays, rc = module_layouts(layout), layout.details["recompute"]

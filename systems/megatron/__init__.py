@@ -56,6 +56,7 @@ class MegatronSystem(SystemAdapter):
     baseline_order = 0      # the papers' baseline (Megatron-LM): the default reference of speedups
     # dp: 0 takes the devices tp x pp leaves; recompute (full activation recomputation) is simulated only.
     options = {"tp": 1, "pp": 1, "dp": 0, "recompute": False}
+    sim_module = "systems.megatron.sim"
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         return monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_size, simulated)
@@ -65,16 +66,6 @@ class MegatronSystem(SystemAdapter):
         if not m:
             raise ConfigError(f"megatron layout {label!r}: write tpT-ppP-dpD[-rc] (e.g. tp8-pp10-dp12)")
         return {"tp": int(m[1]), "pp": int(m[2]), "dp": int(m[3]), "recompute": bool(m[4])}
-
-    def simulate_step(self, layout, step, kit):
-        from systems.megatron import sim
-        return sim.simulate_step(layout, step, kit)
-
-    def search_layout(self, workload, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size,
-                      exact):
-        from systems.megatron import sim
-        return sim.search(workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
-                          micro_batch_size=micro_batch_size, exact=exact)
 
     def setup(self, ctx) -> None:
         from systems import mcore
