@@ -57,7 +57,7 @@ def throughput(data):
         raise NoData("no ok record with samples_per_s")
     return _system_bars(best.assign(value=best["samples_per_s"], low=best["samples_per_s_low"],
                                     high=best["samples_per_s_high"]),
-                        "throughput (samples/s, median of repeats)", "Training throughput, best layout per system")
+                        "samples/s (median)", "Training throughput, best layout per system")
 
 
 @figure("mfu", "Model FLOPs utilization (% of the peak FLOP/s of all devices) of the fastest "

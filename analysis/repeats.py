@@ -27,7 +27,7 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     good = ok(runs)
     if good.empty:
         return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, n_repeats=0, cv=np.nan,
-                           busy_repeats=0, repeat_values=None)
+                           busy_repeats=0, repeat_values=None, experiments=None)
     group = good["config_key"].where(good["config_key"].notna(), good["run_id"])
     rows = []
     for _, g in good.groupby(group, sort=False):
@@ -37,6 +37,8 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
         row["n_repeats"], row["cv"] = s.n, s.cv
         row["busy_repeats"] = int(g["busy_machine"].fillna(False).astype(bool).sum())
         row["repeat_values"] = list(g["samples_per_s"])
+        # The same configuration may serve several experiments (e.g. plan=auto choosing the main plan).
+        row["experiments"] = sorted(set(g["experiment"].dropna().astype(str)))
         for col in MEDIAN_COLUMNS:
             row[col] = g[col].median()
         rows.append(row)

@@ -41,17 +41,28 @@ def _experiment(run) -> str:
     return f"{name}: {run[variant]}" if variant and pd.notna(run[variant]) else str(name)
 
 
+def _experiments(config, runs: pd.DataFrame) -> str:
+    """Every experiment the configuration's repeats were run for ('main, orchestration: auto')."""
+    if not config["experiments"]:
+        return "—"
+    same = runs[(runs["config_key"] == config["config_key"]) & (runs["status"] == "ok")] \
+        if pd.notna(config["config_key"]) else runs[runs["run_id"] == config["run_id"]]
+    labels = dict.fromkeys(_experiment(r) for _, r in same.iterrows())
+    return ", ".join(labels)
+
+
 def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFrame:
     """One row per configuration (its repeats summarized); a "speedup vs <baseline>" column
-    (ratio of medians with its 95% interval) when there is a baseline."""
-    configs = configurations(runs)
+    (ratio of medians with its 95% interval) when there is a baseline. Validation simulations
+    are in their own section."""
+    configs = configurations(runs[runs["experiment"] != "validation"])
     if configs.empty:
         return pd.DataFrame()
     configs = configs.sort_values(ORDER, key=sort_key)
     table = pd.DataFrame({
         "system": configs["system"], "workload": configs["workload"], "profile": configs["data_profile"],
         "layout": configs["layout_label"], "devices": configs["num_devices"], "mode": configs["mode"],
-        "experiment": [_experiment(r) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
+        "experiment": [_experiments(r, runs) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
         "samples/s (median)": configs["samples_per_s"].map(num(".4g")),
         "95% interval": [interval(lo, hi) for lo, hi in zip(configs["samples_per_s_low"],
                                                             configs["samples_per_s_high"])],

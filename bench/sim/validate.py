@@ -146,6 +146,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
         rows.append({"system": meas["system"], "workload": meas["workload"],
                      "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
+                     "reorder": meas["config"].get("data", {}).get("reorder", "none"),
                      "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
                      "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
@@ -167,7 +168,8 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
               "| within spread | other load % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
-        extra = " (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else ""
+        extra = (" (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else "") + \
+            (f" (reorder: {r['reorder']})" if r.get("reorder", "none") != "none" else "")
         share = "?" if r.get("outside_cpu_share") is None else f"{100 * r['outside_cpu_share']:.0f}"
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | {r['repeats']} | "
                      f"{r['measured_s']:.4g} | {r['measured_low_s']:.4g}..{r['measured_high_s']:.4g} "
