@@ -103,8 +103,40 @@ def test_ring_and_activation_formulas():
     assert C.ring_allreduce(1e9, 1, 1e9, 1e-6) == 0.0
     assert C.ring_allreduce(1e9, 4, 1e9, 0.0) == pytest.approx(1.5)
     assert C.ring_shard(1e9, 4, 1e9, 0.0) == pytest.approx(0.75)
-    assert C.activation_bytes(1000, 100, 10, 2) == pytest.approx(34 * 1000 * 100 * 10 / 2)
-    assert C.activation_bytes(1000, 100, 10, 2, recompute=True) < C.activation_bytes(1000, 100, 10, 2)
+    gelu_mha = C.ModuleShape(layers=10, hidden=100, heads=4, groups=4, params=0, layer_params=0, ffn=400)
+    assert C.activation_bytes(1000, gelu_mha, 10, 2) == pytest.approx(34 * 1000 * 100 * 10 / 2)   # Korthikanti's 34sbh
+    assert C.activation_bytes(1000, gelu_mha, 10, 2, recompute=True) == pytest.approx(1000 * (2 * 100 * 10 + 3400) / 2)
+    swiglu_gqa = C.ModuleShape(layers=10, hidden=100, heads=4, groups=1, params=0, layer_params=0, ffn=300, gated=True)
+    assert swiglu_gqa.activation_bytes_per_token == 14 * 100 + 4 * 100 / 4 + 6 * 300
+
+
+def test_distributed_optimizer_bytes_per_parameter():
+    # Megatron-LM docs/source/api-guide/dist_optimizer.md: bf16 params + fp32 grads 6 + 12/d, fp32 8 + 8/d
+    assert C.distributed_optimizer_bytes(1e9, 8) == pytest.approx(1e9 * (6 + 12 / 8))
+    assert C.distributed_optimizer_bytes(1e9, 4, value_bytes=4) == pytest.approx(1e9 * (8 + 8 / 4))
+
+
+def test_llama3_70b_tp8_dp128_memory_by_hand():
+    """Llama-3-70B (the mllm-72b backbone) at TP8-PP1-DP128, bf16, distributed optimizer, one
+    8192-token microbatch in flight: states + activations + fp32 logits, computed by hand."""
+    h, a, g, f, layers, vocab, seq, tp, dp = 8192, 64, 8, 28672, 80, 128256, 8192, 8, 128
+    params = layers * (h * (h + 2 * g * (h // a)) + h * h + 3 * h * f) + 2 * vocab * h   # untied embeddings
+    states = params / tp * (6 + 12 / dp)
+    activations = seq * layers * (14 * h + 4 * h * g / a + 6 * f) / tp
+    logits = 4 * seq * vocab / tp
+    w = get_workload("mllm-72b")
+    shape = C.module_shapes(w)["backbone"]
+    assert shape.params == params
+    model = (C.distributed_optimizer_bytes(shape.params / tp, dp) + C.activation_bytes(seq, shape, layers, tp)
+             + C.logits_bytes(w, 1, tp))
+    assert model == pytest.approx(states + activations + logits)
+    assert states + activations + logits > 72 * 2 ** 30
+    # With the encoder and generator on the same GPUs it no longer fits 80 GB; recomputation fits.
+    kw = dict(num_batches=1, global_batch_size=128)
+    plain = simulate("mllm-72b", "megatron", {"tp": 8, "pp": 1, "dp": 128}, 1024, **kw)
+    recompute = simulate("mllm-72b", "megatron", {"tp": 8, "pp": 1, "dp": 128, "recompute": True}, 1024, **kw)
+    assert plain["per_gpu_memory_gib"] * 2 ** 30 > 80e9 and not plain["feasible"]
+    assert recompute["feasible"]
 
 
 def test_compute_time_scales_with_tp_and_efficiency():

@@ -102,7 +102,7 @@ class ToyDataParallel(SystemAdapter):
         params = sum(sh[k].params for k in MODULES)
         sync = float(C.dp_sync_time(params, dp, dp > cluster.gpus_per_node, cluster))
         host = C.optimizer_time(params, cluster) + C.harness_time(dp, cluster)
-        activations = C.activation_bytes(mbs * w.backbone.seq_length, sh["backbone"].hidden, sh["backbone"].layers, 1)
+        activations = C.activation_bytes(mbs * w.backbone.seq_length, sh["backbone"], sh["backbone"].layers, 1)
         first = per_rank[0][0]
         return StepCost(pipeline_s=max(times), sync_and_host_s=sync + host, busy_device_s=float(np.sum(times)),
                         memory_bytes=float(C.state_bytes(params, dp, 0) + activations), devices_used=dp,

@@ -22,12 +22,20 @@ p2p uses the measured send/recv link. `host_time` adds, per iteration and not ov
 what the slowest rank spends preprocessing its samples in the trainer, its optimizer step
 (fixed + per-parameter time of its shard) and the harness's world collectives.
 
-Memory per GPU. 16 bytes per parameter: bf16 weight (2) + bf16 gradient (2) + fp32 master
-weight, Adam m and v (12). Sharded over the data-parallel group by stage: 1 (and Megatron's
-distributed optimizer) the 12; 2 also the gradient; 3 everything. Activations follow
-Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4, TP + sequence parallel + selective
-recompute): 34 x tokens x hidden / TP bytes per layer and microbatch in flight; full
-recompute keeps only each layer's bf16 input (2 x tokens x hidden / TP) plus one layer's 34.
+Memory per GPU. Megatron's distributed optimizer (Megatron and DistTrain, which wrap every
+module in megatron DDP with grad_reduce_in_fp32 and the distributed optimizer, as the measured
+runs do): bf16 weight (2) + fp32 main gradient (4) + fp32 master weight, Adam m and v (12)
+sharded over DP: 6 + 12/d bytes per parameter; fp32 weights: 8 + 8/d (Megatron-LM
+docs/source/api-guide/dist_optimizer.md, table "bytes per parameter"). DeepSpeed ZeRO: 16
+bytes per parameter (bf16 weight 2, bf16 gradient 2, fp32 states 12), sharded by stage: 1 the
+12; 2 also the gradient; 3 everything. Activations per layer and token follow the derivation
+of Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4: TP + sequence parallel, selective
+recompute of the attention core), redone for each module's own layer (bf16 values, dropout
+masks of 1 byte kept): attention 2h (QKV input) + 2h (Q) + 2h g/a (K) + 2h g/a (V) + 2h
+(output projection input) + h (mask); MLP 2h (input) + 4f (SwiGLU: the fused gate/up output)
+or 2f (GELU input) + 2f (down-projection input) + h (mask); two norms 4h. Total
+14h + 4h g/a + 6f (SwiGLU) or 4f (GELU), / TP; a GELU layer with MHA and f = 4h gives the
+paper's 34h. Full recompute keeps each layer's bf16 input (2h) plus one layer's activations.
 The backbone's last stage holds fp32 logits, 4 x tokens x vocab / TP, for one microbatch.
 """
 from __future__ import annotations
@@ -43,7 +51,7 @@ from workloads.presets import Workload
 from workloads.presets import MODULES
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
-ACT_BYTES = 34           # per token, per hidden unit, per layer (Korthikanti et al. 2022)
+ACT_BYTES = 34           # per token and hidden unit of a GELU + MHA layer (Korthikanti et al. 2022)
 ACT_BYTES_FULL_RECOMPUTE = 2
 LOGIT_BYTES = 4
 
@@ -75,6 +83,14 @@ class ModuleShape:
     groups: int
     params: int          # whole module
     layer_params: int    # one transformer layer (backbone: embeddings excluded)
+    ffn: int = 0         # MLP width
+    gated: bool = False  # SwiGLU (gate and up projections) rather than GELU
+
+    @property
+    def activation_bytes_per_token(self) -> float:
+        """One layer's saved activations per token (before TP), see the module docstring."""
+        h, ffn = self.hidden, self.ffn or 4 * self.hidden
+        return 14 * h + 4 * h * self.groups / self.heads + (6 if self.gated else 4) * ffn
 
 
 @lru_cache(maxsize=64)
@@ -84,11 +100,11 @@ def module_shapes(w: Workload) -> dict[str, ModuleShape]:
     emb = b.vocab_size * b.hidden_size
     return {
         "encoder": ModuleShape(e.num_layers, e.hidden_size, e.num_attention_heads, e.num_attention_heads,
-                               p["encoder"], p["encoder"] // e.num_layers),
+                               p["encoder"], p["encoder"] // e.num_layers, e.ffn_hidden_size, False),
         "backbone": ModuleShape(b.num_layers, b.hidden_size, b.num_attention_heads, b.num_query_groups,
-                                p["backbone"], (p["backbone"] - 2 * emb) // b.num_layers),
+                                p["backbone"], (p["backbone"] - 2 * emb) // b.num_layers, b.ffn_hidden_size, True),
         "generator": ModuleShape(g.num_layers, g.hidden_size, g.num_attention_heads, g.num_attention_heads,
-                                 p["generator"], p["generator"] // g.num_layers),
+                                 p["generator"], p["generator"] // g.num_layers, g.ffn_hidden_size, False),
     }
 
 
@@ -219,11 +235,22 @@ def state_bytes(params, dp, zero_stage: int = 1):
     return {0: w + g + o, 1: w + g + o / dp, 2: w + (g + o) / dp, 3: (w + g + o) / dp}[zero_stage]
 
 
-def activation_bytes(tokens, hidden: int, layers: int, tp: int, recompute: bool = False):
+def distributed_optimizer_bytes(params, dp, value_bytes: int = WEIGHT_BYTES):
+    """Megatron DDP + distributed optimizer with fp32 main gradients: 6 + 12/d bytes per
+    parameter with bf16 weights, 8 + 8/d with fp32 (Megatron-LM dist_optimizer.md)."""
+    params = np.asarray(params, dtype=np.float64)
+    if value_bytes == 4:
+        return params * (8 + 8 / np.asarray(dp, dtype=np.float64))
+    return params * (6 + 12 / np.asarray(dp, dtype=np.float64))
+
+
+def activation_bytes(tokens, shape: ModuleShape, layers: int, tp: int, recompute: bool = False):
+    """Saved activations of `layers` layers of `shape` for `tokens` tokens on one TP rank."""
     tokens = np.asarray(tokens, dtype=np.float64)
+    one_layer = shape.activation_bytes_per_token
     if recompute:
-        return tokens * hidden * (ACT_BYTES_FULL_RECOMPUTE * layers + ACT_BYTES) / tp
-    return ACT_BYTES * tokens * hidden * layers / tp
+        return tokens * (ACT_BYTES_FULL_RECOMPUTE * shape.hidden * layers + one_layer) / tp
+    return tokens * one_layer * layers / tp
 
 
 def logits_bytes(w: Workload, samples: int, tp: int) -> float:

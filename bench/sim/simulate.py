@@ -118,8 +118,11 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     common = dict(run_id=new_run_id(), mode="simulated", system=system, workload=w.name,
                   data_profile=w.data_profile.name, num_devices=num_gpus, config=config,
                   env={"simulator": "bench.sim"}, tags=tags or {}, steps=[])
-    assumptions = {**cl.assumptions(), "cost_model": C.__doc__.strip(), "bytes_per_param": 16,
-                   "activation_bytes_per_token_hidden_layer": C.ACT_BYTES,
+    assumptions = {**cl.assumptions(), "cost_model": C.__doc__.strip(),
+                   "bytes_per_param": "Megatron distributed optimizer: 6 + 12/dp (bf16) or 8 + 8/dp (fp32); "
+                                      "DeepSpeed ZeRO: 16 sharded by stage",
+                   "activation_bytes_per_token_layer": {k: s.activation_bytes_per_token
+                                                        for k, s in C.module_shapes(w).items()},
                    "data": "per-sample images drawn like workloads.dataset.plan_sample with seed (seed, 1, index)"}
     if options is None:
         return build_record(**common, status="skipped", reason=reason,

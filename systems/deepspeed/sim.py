@@ -52,9 +52,9 @@ def simulate_step(layout, step, kit) -> StepCost:
     if cluster.shared_cores:                 # ranks that finish early free their core for the others
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores)[0]
     sync = 0.0 if z == 3 else float(C.dp_sync_time(P, dp, dp > cluster.gpus_per_node, cluster))
-    act = (C.activation_bytes(mbs * seq, sh["backbone"].hidden, sh["backbone"].layers, 1, rc)
-           + C.activation_bytes(max_etok, sh["encoder"].hidden, sh["encoder"].layers, 1, rc)
-           + C.activation_bytes(max_gtok, sh["generator"].hidden, sh["generator"].layers, 1, rc)
+    act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
+           + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
+           + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)
            + C.logits_bytes(w, mbs, 1))
     g0 = [i for mb in per_rank[0] for i in mb][:mbs]
     first = [[float(enc[g0].sum()), float(bb_flops * len(g0)), float(gen[g0].sum())]]

@@ -42,7 +42,8 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
             else C.p2p_time(samples * w.generator.num_cond_tokens / dp, hb, 1, cluster, True))
     sync = C.dp_sync_time(sh.params / tp, dp, tp * dp > gpn, cluster)
     tk_mem = np.maximum(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
-    mem = C.state_bytes(sh.params / tp, dp, 1) + inflight * C.activation_bytes(tk_mem, sh.hidden, sh.layers, tp, rc)
+    mem = (C.distributed_optimizer_bytes(sh.params / tp, dp, cluster.value_bytes)
+           + inflight * C.activation_bytes(tk_mem, sh, sh.layers, tp, rc))
     return f + b, link, sync, mem <= cluster.memory_bytes
 
 

@@ -103,13 +103,14 @@ def simulate_step(layout, step, kit) -> StepCost:
     mem, sync, opt = [], [], []
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
         p = sh[key].params / lay["tp"]
-        mem.append(C.state_bytes(p, lay["dp"], 1)
-                   + inflight * C.activation_bytes(tok_max[key], sh[key].hidden, sh[key].layers, lay["tp"], rc))
+        mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
+                   + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
         sync.append(float(C.dp_sync_time(p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster)))
         opt.append(C.optimizer_time(p / lay["dp"], cluster))
     for s, (_, params, n) in enumerate(stages):
-        a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq, hb, n, tp, rc)
-        mem.append(C.state_bytes(params / tp, dp, 1) + a + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0.0))
+        a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc)
+        mem.append(C.distributed_optimizer_bytes(params / tp, dp, cluster.value_bytes) + a
+                   + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0.0))
         sync.append(float(C.dp_sync_time(params / tp, dp, tp * dp > gpn, cluster)))
         opt.append(C.optimizer_time(params / tp / dp, cluster))
     gpus = E["tp"] * E["dp"] + tp * pp * dp + G["tp"] * G["dp"]

@@ -60,7 +60,8 @@ def simulate_step(layout, step, kit) -> StepCost:
         sync += float(C.dp_sync_time(p, lay[k]["dp"], P > cluster.gpus_per_node, cluster))
         opt += C.optimizer_time(p / lay[k]["dp"], cluster)
         toks = size // lay[k]["dp"] * seq if k == "backbone" else tok[k]
-        mem += C.state_bytes(p, lay[k]["dp"], 1) + C.activation_bytes(toks, sh[k].hidden, sh[k].layers, lay[k]["tp"], rc)
+        mem += (C.distributed_optimizer_bytes(p, lay[k]["dp"], cluster.value_bytes)
+                + C.activation_bytes(toks, sh[k], sh[k].layers, lay[k]["tp"], rc))
     load = host.load_s(bc)
     for r in range(P):                       # each rank reads its rows once per module
         d = 0.0

@@ -60,13 +60,13 @@ def simulate_step(layout, step, kit) -> StepCost:
     mem, sync, opt = [], [], []
     for s, (_, params, n) in enumerate(stages):
         p = params + (sh["encoder"].params if s == 0 else 0) + (sh["generator"].params if s == pp - 1 else 0)
-        a = min(pp - s, m) * C.activation_bytes(mbs * seq, sh["backbone"].hidden, n, tp, rc)
+        a = min(pp - s, m) * C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc)
         if s == 0:
-            a += min(pp, m) * C.activation_bytes(max_etok, sh["encoder"].hidden, sh["encoder"].layers, tp, rc)
+            a += min(pp, m) * C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, tp, rc)
         if s == pp - 1:
-            a += C.activation_bytes(max_gtok, sh["generator"].hidden, sh["generator"].layers, tp, rc)
+            a += C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, tp, rc)
             a += C.logits_bytes(w, mbs, tp)
-        mem.append(C.state_bytes(p / tp, dp, 1) + a)
+        mem.append(C.distributed_optimizer_bytes(p / tp, dp, cluster.value_bytes) + a)
         sync.append(float(C.dp_sync_time(p / tp, dp, tp * dp > gpn, cluster)))
         opt.append(C.optimizer_time(p / tp / dp, cluster))     # distributed optimizer: a 1/dp shard
     host_s = data + max(opt) + C.harness_time(tp * pp * dp, cluster)
@@ -85,17 +85,19 @@ def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool) -> float:
         fl, tk = st.mbs * st.flops[key], st.mbs * st.tokens[key]
         t[s] += float(sum(C.module_fb(fl, tk, key, sh[key], sh[key].layers, tp, cluster, rc)))
         inflight = min(pp, bp.num_microbatches) if key == "encoder" else 1
-        extra[s] = extra.get(s, 0.0) + C.state_bytes(sh[key].params / tp, dp, 1) + inflight * C.activation_bytes(
-            max(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key]), sh[key].hidden, sh[key].layers, tp, rc)
+        states = C.distributed_optimizer_bytes(sh[key].params / tp, dp, cluster.value_bytes)
+        tokens = max(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
+        extra[s] = extra.get(s, 0.0) + states + inflight * C.activation_bytes(tokens, sh[key], sh[key].layers, tp, rc)
         sync = max(sync, float(C.dp_sync_time((sh[key].params + C.backbone_stage(w, pp, s)[1]) / tp, dp,
                                               tp * dp > cluster.gpus_per_node, cluster)))
     if not bp.fits:
         return float("inf")
     for s, add in extra.items():   # recheck the two stages that carry encoder / generator
         _, params, n = C.backbone_stage(w, pp, s)
-        base = (C.state_bytes(params / tp, dp, 1) + min(pp - s, bp.num_microbatches) * C.activation_bytes(
-            st.mbs * w.backbone.seq_length, w.backbone.hidden_size, n, tp, rc)
-            + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
+        base = (C.distributed_optimizer_bytes(params / tp, dp, cluster.value_bytes)
+                + min(pp - s, bp.num_microbatches) * C.activation_bytes(st.mbs * w.backbone.seq_length, sh["backbone"],
+                                                                        n, tp, rc)
+                + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
         if base + add > cluster.memory_bytes:
             return float("inf")
     return kit.schedule.estimate_1f1b(t, bp.links, bp.num_microbatches) + sync
