@@ -139,6 +139,9 @@ class SystemAdapter(ABC):
     options: ClassVar[dict[str, Any]] = {}
     # True: the worker gathers StepOutput.timeline of the last step from every rank.
     records_timeline: ClassVar[bool] = False
+    # True: the simulator applies data reordering (workloads.reorder) unless told otherwise.
+    # It is DistTrain's technique; a baseline is simulated as it ships, without it, unless asked.
+    reorders_data: ClassVar[bool] = False
     # The module that prices this system in the simulator (imported only when simulating): it
     # defines simulate_step(layout, step, kit) and search(workload, n, cluster, kit, **kw); or
     # override the two methods below.

@@ -424,3 +424,13 @@ def test_sweep_simulate_entries(tmp_path):
     assert [r["system"] for r in recs] == ["megatron", "deepspeed"] and all(r["mode"] == "simulated" for r in recs)
     run_sweep(toml, results)                       # already simulated: nothing new
     assert len(read_records(results)) == 2
+
+
+def test_only_disttrain_reorders_by_default():
+    kw = dict(num_batches=1, global_batch_size=64)
+    megatron = simulate(_encoder_heavy(), "megatron", {"tp": 2, "pp": 2, "dp": 4}, 16, **kw)
+    asked = simulate(_encoder_heavy(), "megatron", {"tp": 2, "pp": 2, "dp": 4}, 16, reorder=True, **kw)
+    assert megatron["reorder"] is False and asked["reorder"] is True
+    assert simulate(_encoder_heavy(), "disttrain", {"plan": "enc:1x2,llm:2x2x2,gen:1x2"}, 16, **kw)["reorder"] is True
+    assert simulate_record("mllm-9b", "deepspeed", 8, options={"zero_stage": 1}, num_batches=1,
+                           global_batch_size=16)["config"]["reorder"] is False

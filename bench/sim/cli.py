@@ -162,7 +162,7 @@ def run(args) -> dict:
     if profile_path is not None:
         tags.setdefault("cluster_profile", str(profile_path))
     return simulate_record(args.workload, args.system, args.gpus, cluster, options, seed=sets.get("seed", 0),
-                           num_batches=sets.get("num_batches", 2), reorder=sets.get("reorder", True),
+                           num_batches=sets.get("num_batches", 2), reorder=sets.get("reorder"),
                            profile=sets.get("profile"), global_batch_size=B, micro_batch_size=mbs, tags=tags)
 
 

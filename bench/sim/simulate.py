@@ -9,7 +9,9 @@ Metrics come from bench.metrics.throughput. Nothing here names a system.
 
 A layout is the system's own options (those of `bench run --set`), validated by the system's
 `layout(..., simulated=True)`: the same parser and label as measured runs. With reorder=True
-the system applies workloads.reorder's assignment and microbatch order; with a `data_order`
+the system applies workloads.reorder's assignment and microbatch order (reorder=None: the
+system's default, SystemAdapter.reorders_data: on for DistTrain, off for the baselines, as
+the papers' Megatron-LM has no reordering); with a `data_order`
 (validation) it prices the trainers' own assignment (bench.data.source.DataPlan).
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ def resolve_layout(w: Workload, system: str, options: dict | Layout, num_gpus: i
 
 
 def simulate(workload: Workload | str, system: str, options: dict | Layout, num_gpus: int,
-             cluster: Cluster | str = "h100", seed: int = 0, num_batches: int = 2, reorder: bool = True,
+             cluster: Cluster | str = "h100", seed: int = 0, num_batches: int = 2, reorder: bool | None = None,
              global_batch_size: int | None = None, micro_batch_size: int | None = None, steps: list[int] | None = None,
              num_samples: int | None = None, data_order: str | None = None) -> dict:
     """Simulate `num_batches` batches (or exactly the batches `steps` of a dataset of `num_samples`).
@@ -52,6 +54,7 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
     layout = resolve_layout(w, system, options, num_gpus, B, mbs)
     adapter, kit = get_system(system), Kit(simulate=simulate)
+    reorder = adapter.reorders_data if reorder is None else reorder
     batches = list(steps) if steps is not None else list(range(num_batches))
     num_batches = len(batches)
     times, bubbles, mems, total, first = [], [], [], ModuleFlops(0, 0, 0), []
@@ -96,7 +99,8 @@ def search_layout(w: Workload, system: str, num_gpus: int, cluster: Cluster, see
 
 
 def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Cluster | str = "h100",
-                    options: dict | str | None = None, seed: int = 0, num_batches: int = 2, reorder: bool = True,
+                    options: dict | str | None = None, seed: int = 0, num_batches: int = 2,
+                    reorder: bool | None = None,
                     profile: str | None = None, global_batch_size: int | None = None,
                     micro_batch_size: int | None = None, tags: dict | None = None) -> dict:
     """A bench.records record (mode "simulated") of one simulation; options None or "auto": the
@@ -113,6 +117,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
             found, reason = None, f"layout search failed: {e}"
         chosen = "auto"
         options, estimate = (found["options"], found["estimate_s"]) if found else (None, None)
+    reorder = get_system(system).reorders_data if reorder is None else reorder
     config = {"num_gpus": num_gpus, "cluster": cl.name, "seed": seed, "num_batches": num_batches, "reorder": reorder,
               "global_batch_size": B, "micro_batch_size": mbs, "layout_choice": chosen, "options": options}
     common = dict(run_id=new_run_id(), mode="simulated", system=system, workload=w.name,

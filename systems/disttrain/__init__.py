@@ -22,6 +22,7 @@ class DistTrainSystem(SystemAdapter):
     options = {"plan": "", "placement": "disaggregated", "recompute": False}
     sim_module = "systems.disttrain.sim"
     records_timeline = True
+    reorders_data = True
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         if options["placement"] not in PLACEMENTS:
