@@ -92,8 +92,9 @@ def _plan(tp, pp, dp, te, tg, rc, est):
 
 
 def options_of(plan: dict) -> dict:
-    """The adapter's options (--set plan=... recompute=...) of a structured plan."""
-    return {"plan": plan_text(plan), "placement": "disaggregated", "recompute": bool(plan.get("recompute", False))}
+    """The adapter's options (--set plan=... placement=... recompute=...) of a structured plan."""
+    return {"plan": plan_text(plan), "placement": plan.get("placement", "disaggregated"),
+            "recompute": bool(plan.get("recompute", False))}
 
 
 def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> dict | None:
@@ -169,7 +170,7 @@ def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)
 def runs_here(w, plan: dict, nproc: int, st) -> bool:
     """Whether this runtime can run the plan on `nproc` processes (systems.disttrain.plan)."""
     try:
-        validate_plan(parse_plan(plan_text(plan), nproc, False), w, st.B, st.mbs)
+        validate_plan(parse_plan(plan_text(plan), nproc, plan.get("placement") == "colocated"), w, st.B, st.mbs)
     except ConfigError:
         return False
     return True
@@ -198,20 +199,79 @@ def best_exact_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, refine: i
     return best[1] if best else None
 
 
+def _colocated_side_cost(kit, w, st, cluster, key, tp: int, ranks: int) -> float:
+    """One iteration of the encoder (generator) at TP `tp` on all `ranks` ranks, mean work:
+    compute of its share of the batch's images plus its data-parallel sync. Colocated modules
+    run one after another, so each module's TP can be chosen on its own cost."""
+    C, sh = kit.costs, kit.costs.module_shapes(w)[key]
+    samples = st.B / (ranks // tp)
+    f, b = C.module_fb(samples * st.flops[key], samples * st.tokens[key], key, sh, sh.layers, tp, cluster)
+    return float(f + b + C.dp_sync_time(sh.params / tp, ranks // tp, ranks > cluster.gpus_per_node, cluster))
+
+
+def colocated_plans(kit, w, ranks: int, cluster, st):
+    """Colocated plans on `ranks` ranks: each module TP x DP = ranks (backbone PP = 1), TP powers
+    of two <= gpus_per_node dividing the module's heads, backbone DP x microbatch dividing the
+    batch; per backbone TP, the encoder's and generator's TP that minimize their own cost."""
+    C, b, gpn = kit.costs, w.backbone, cluster.gpus_per_node
+    side = {}
+    for k in ("encoder", "generator"):
+        tps = [t for t in C.tp_choices(gpn, C.module_shapes(w)[k].heads) if ranks % t == 0]
+        side[k] = min(tps, key=lambda t: _colocated_side_cost(kit, w, st, cluster, k, t, ranks)) if tps else None
+    if None in side.values():
+        return
+    for tb in C.tp_choices(gpn, b.num_attention_heads, b.num_query_groups):
+        if ranks % tb == 0 and st.B % (ranks // tb * st.mbs) == 0:
+            yield {"encoder": {"tp": side["encoder"], "dp": ranks // side["encoder"]},
+                   "backbone": {"tp": tb, "pp": 1, "dp": ranks // tb},
+                   "generator": {"tp": side["generator"], "dp": ranks // side["generator"]},
+                   "placement": "colocated", "recompute": False}
+
+
+def best_colocated_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, exact: bool = False) -> dict | None:
+    """The fastest colocated plan by the simulator (one batch) on the most ranks that admit one
+    (exact: on exactly num_gpus, and one this runtime runs). None if none fits."""
+    for ranks in ([num_gpus] if exact else range(num_gpus, 0, -1)):
+        cands = [p for p in colocated_plans(kit, w, ranks, cluster, st) if not exact or runs_here(w, p, ranks, st)]
+        if cands:
+            break
+    else:
+        return None
+    best = None
+    for plan in cands:
+        r = kit.simulate(w, "disttrain", options_of(plan), num_gpus, cluster, seed=seed, num_batches=1,
+                         global_batch_size=st.B, micro_batch_size=st.mbs, data_order="none" if exact else None,
+                         reorder=False if exact else None)
+        key = (r["iteration_time_s"], plan_text(plan))
+        if r["feasible"] and (best is None or key < best[0]):
+            best = (key, {**plan, "simulated_s": r["iteration_time_s"]})
+    return best[1] if best else None
+
+
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
-    """SystemAdapter.search_layout for disttrain: the pruned search (best_plan) for a simulated
-    cluster; for plan=auto (exact) every plan this runtime runs on exactly num_devices processes."""
+    """SystemAdapter.search_layout for disttrain: the best disaggregated plan (the pruned search,
+    best_plan; for plan=auto every plan this runtime runs on exactly num_devices processes) and
+    the best colocated plan, the faster of the two by the simulator."""
     st = kit.estimate.work_stats(w, global_batch_size, micro_batch_size, seed)
     if exact:
-        if num_devices < 3:
-            raise ConfigError(f"plan=auto needs at least 3 processes (one per module), got {num_devices}")
-        plan = best_exact_plan(kit, w, num_devices, cluster, st, seed)
-        how = ("every plan of exactly nproc ranks passing validate_plan, ranked by the 1F1B estimate, "
-               "the best 6 re-scored by the simulator")
+        disaggregated = best_exact_plan(kit, w, num_devices, cluster, st, seed) if num_devices >= 3 else None
+        how = ("disaggregated: every plan of exactly nproc ranks passing validate_plan, ranked by the 1F1B "
+               "estimate, the best 6 re-scored by the simulator; colocated: every plan on nproc ranks, simulated")
     else:
-        plan = best_plan(kit, w, num_devices, cluster, st)
-        how = "pruned search over module TP/DP and backbone TP/PP/DP by the 1F1B estimate (brute-force tested)"
-    if plan is None:
+        disaggregated = best_plan(kit, w, num_devices, cluster, st)
+        if disaggregated is not None:
+            r = kit.simulate(w, "disttrain", options_of(disaggregated), num_devices, cluster, seed=seed,
+                             num_batches=1, global_batch_size=st.B, micro_batch_size=st.mbs)
+            disaggregated["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
+        how = ("disaggregated: pruned search over module TP/DP and backbone TP/PP/DP by the 1F1B estimate "
+               "(brute-force tested); colocated: every plan on the most ranks that admit one; the faster "
+               "of the two by the simulator")
+    colocated = best_colocated_plan(kit, w, num_devices, cluster, st, seed, exact)
+    found = [p for p in (disaggregated, colocated) if p is not None and np.isfinite(p.get("simulated_s", np.inf))]
+    if not found:
         return None
-    extra = {k: plan[k] for k in ("estimate_s", "simulated_s") if k in plan}
-    return {"options": options_of(plan), **extra, "search": how}
+    plan = min(found, key=lambda p: (p["simulated_s"], plan_text(p)))
+    return {"options": options_of(plan), "estimate_s": plan.get("estimate_s", plan["simulated_s"]),
+            "simulated_s": plan["simulated_s"], "search": how,
+            "candidates_s": {"disaggregated": disaggregated and disaggregated.get("simulated_s"),
+                             "colocated": colocated and colocated["simulated_s"]}}
