@@ -23,11 +23,11 @@ MEDIAN_COLUMNS = ("tokens_per_s", "mfu", "mfu_encoder", "mfu_backbone", "mfu_gen
 def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration of the ok records in `runs`: the first repeat's columns, with
     samples_per_s the median of the repeats, samples_per_s_low / _high its 95% interval,
-    n_repeats, cv, busy_repeats (repeats measured on a busy machine) and repeat_values."""
+    n_repeats, cv, repeat_values and experiments (every experiment its repeats served)."""
     good = ok(runs)
     if good.empty:
         return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, n_repeats=0, cv=np.nan,
-                           busy_repeats=0, repeat_values=None, experiments=None)
+                           repeat_values=None, experiments=None)
     group = good["config_key"].where(good["config_key"].notna(), good["run_id"])
     rows = []
     for _, g in good.groupby(group, sort=False):
@@ -35,7 +35,6 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
         row = g.iloc[0].copy()
         row["samples_per_s"], row["samples_per_s_low"], row["samples_per_s_high"] = s.median, s.low, s.high
         row["n_repeats"], row["cv"] = s.n, s.cv
-        row["busy_repeats"] = int(g["busy_machine"].fillna(False).astype(bool).sum())
         row["repeat_values"] = list(g["samples_per_s"])
         # The same configuration may serve several experiments (e.g. plan=auto choosing the main plan).
         row["experiments"] = sorted(set(g["experiment"].dropna().astype(str)))
@@ -54,17 +53,19 @@ def best_layouts(runs: pd.DataFrame, keys: list[str] | None = None, baseline: st
     if configs.empty:
         return configs
     best = configs.loc[configs.groupby(keys, dropna=False)["samples_per_s"].idxmax()].reset_index(drop=True)
-    return with_speedups(best, baseline, keys[:-1])
+    return with_speedups(best, best, baseline, keys[:-1])
 
 
-def with_speedups(best: pd.DataFrame, baseline: str | None, keys: list[str]) -> pd.DataFrame:
-    best = best.assign(speedup=np.nan, speedup_low=np.nan, speedup_high=np.nan)
+def with_speedups(configs: pd.DataFrame, best: pd.DataFrame, baseline: str | None, keys: list[str]) -> pd.DataFrame:
+    """`configs` with speedup / speedup_low / speedup_high over the best `baseline` configuration
+    (a row of `best`) with the same `keys`: ratio of medians and its 95% bootstrap interval."""
+    configs = configs.assign(speedup=np.nan, speedup_low=np.nan, speedup_high=np.nan)
     if baseline is None:
-        return best
+        return configs
     reference = {tuple(r[k] for k in keys): r["repeat_values"] for _, r in best[best["system"] == baseline].iterrows()}
-    for i, r in best.iterrows():
+    for i, r in configs.iterrows():
         ref = reference.get(tuple(r[k] for k in keys))
         if ref is not None:
             ratio = ratio_of_medians(r["repeat_values"], ref)
-            best.loc[i, ["speedup", "speedup_low", "speedup_high"]] = ratio.value, ratio.low, ratio.high
-    return best
+            configs.loc[i, ["speedup", "speedup_low", "speedup_high"]] = ratio.value, ratio.low, ratio.high
+    return configs

@@ -29,11 +29,6 @@ class Summary:
     high: float
     cv: float            # standard deviation / mean of the repeats (NaN with fewer than 2)
 
-    @property
-    def half_width_pct(self) -> float:
-        """Half the interval's width as a percentage of the median: the noise of this summary."""
-        return 100.0 * (self.high - self.low) / 2.0 / self.median if self.median else math.nan
-
 
 @dataclass(frozen=True)
 class Ratio:

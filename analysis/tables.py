@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.load import ABLATIONS, VARIANTS, is_baseline, ok, sort_key, system_order
-from analysis.repeats import best_layouts, configurations
+from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
+from analysis.repeats import best_layouts, configurations, with_speedups
 from analysis.stats import ratio_of_medians, summarize
 
 ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
@@ -69,15 +69,10 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
         "MFU %": (configs["mfu"] * 100).map(num(".3g")),
     })
     if baseline is not None:
-        best = best_layouts(runs, keys=None, baseline=baseline)
-        ref = {tuple(r[k] for k in ("workload", "data_profile", "mode", "num_devices")): r["repeat_values"]
-               for _, r in best[best["system"] == baseline].iterrows()}
-        speedups = []
-        for _, r in configs.iterrows():
-            values = ref.get((r["workload"], r["data_profile"], r["mode"], r["num_devices"]))
-            ratio = ratio_of_medians(r["repeat_values"], values) if values is not None else None
-            speedups.append("—" if ratio is None else f"{ratio.value:.2f}× {interval(ratio.low, ratio.high, '.2f')}")
-        table[f"speedup vs {baseline}"] = speedups
+        sped = with_speedups(configs, best_layouts(runs), baseline, COMPARE_KEYS)
+        table[f"speedup vs {baseline}"] = [
+            "—" if pd.isna(v) else f"{v:.2f}× {interval(lo, hi, '.2f')}"
+            for v, lo, hi in zip(sped["speedup"], sped["speedup_low"], sped["speedup_high"])]
     return table
 
 

@@ -11,7 +11,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-from workloads.presets import MODULES
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "skipped")

@@ -333,7 +333,6 @@ def test_plan_auto_valid_and_deterministic(workload, tmp_path):
 
 def test_plan_auto_through_the_adapter():
     from bench.config import resolve
-    from systems.base import ConfigError
     cfg, layout = resolve("disttrain", "tiny", 4, {"plan": "auto"})
     assert cfg.options["plan"] != "auto" and layout.details["layout_choice"] == "auto"
     assert layout.label.endswith(cfg.options["plan"])
@@ -436,3 +435,26 @@ def test_only_disttrain_reorders_by_default():
     assert simulate(_encoder_heavy(), "disttrain", {"plan": "enc:1x2,llm:2x2x2,gen:1x2"}, 16, **kw)["reorder"] is True
     assert simulate_record("mllm-9b", "deepspeed", 8, options={"zero_stage": 1}, num_batches=1,
                            global_batch_size=16)["config"]["reorder"] is False
+
+
+def test_simulating_a_system_without_cost_model_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from bench.__main__ import main
+    from systems import base
+
+    class Unpriced(base.SystemAdapter):          # measured only: no simulate_step, no sim_module
+        name = "unpriced"
+
+        def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False):
+            return base.Layout("x", nproc, {})
+
+        def setup(self, ctx):
+            pass
+
+        def train_step(self, step):
+            return base.StepOutput()
+
+    monkeypatch.setitem(base._REGISTRY, "unpriced", Unpriced)
+    assert main(["simulate", "--system", "unpriced", "--workload", "tiny", "--gpus", "2",
+                 "--results", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no cost model" in err and not (tmp_path / "r.jsonl").exists()

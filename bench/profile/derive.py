@@ -4,7 +4,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.profile.files import MODULES, SCHEMA, hardware_key, load_profile, versions
+from bench.profile.files import SCHEMA, hardware_key, load_profile, versions
+from workloads.presets import MODULES
 
 
 def derive_profile(workload: str, spec: str, efficiency_from: Path | str | None = None, dtype: str = "bf16",

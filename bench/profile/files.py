@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from bench import environment
-from workloads.presets import MODULES
 
 PROFILE_DIR = environment.REPO / "results" / "profiles"
 SCHEMA = "disttrain-bench-profile/1"

@@ -6,8 +6,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.profile.files import MODULES
 from bench.profile.fit import fit_affine
+from workloads.presets import MODULES
 
 
 class Timer:

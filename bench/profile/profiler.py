@@ -40,10 +40,11 @@ from pathlib import Path
 from bench import environment
 from bench.profile.comm import COMM_SIZES, measure_comm
 from bench.profile.derive import derive_profile
-from bench.profile.files import (MODULES, PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
+from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
                                  load_profile, versions, write_profile)
 from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
+from workloads.presets import MODULES
 
 __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "add_parser", "default_path",
            "derive_profile", "find_profile", "fit_affine", "fit_linear_nonneg", "handle", "hardware_key",

@@ -6,8 +6,8 @@ import statistics
 from bench.data import batching
 from bench.metrics import throughput
 from workloads.flops import batch_flops
+from workloads.presets import MODULES
 
-MODULE_INDEX = {"encoder": 0, "backbone": 1, "generator": 2}
 
 
 def step_flops(plan, step: int):
@@ -20,7 +20,7 @@ def load_imbalance(plan, steps: list[int], module: str, dp_size: int) -> float:
     for step in steps:
         ids = plan.ids(step)
         cost_of = dict(zip(ids, plan.costs(ids)))
-        loads = batching.rank_loads(plan.assignment(step, dp_size), cost_of, MODULE_INDEX[module])
+        loads = batching.rank_loads(plan.assignment(step, dp_size), cost_of, MODULES.index(module))
         mean = sum(loads) / len(loads)
         values.append(max(loads) / mean if mean else 1.0)
     return statistics.fmean(values)

@@ -88,9 +88,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     for step in range(total):
         if fault == (rank, step):
             os._exit(17)       # a rank dying mid-run, for the failure tests
-        dist.barrier()
-        if step == cfg.warmup and rank == 0:
+        if step == cfg.warmup and rank == 0:     # before the barrier: every rank starts the step together
             machine_start = machine.snapshot()
+        dist.barrier()
         wait_before = source.wait_s
         start = time.perf_counter()
         result = adapter.train_step(step)

@@ -18,7 +18,6 @@ appended. A layout that does not fit in memory is appended as a skipped record (
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -135,6 +134,9 @@ def run(args) -> dict:
         adapter = get_system(args.system)
     except ConfigError as e:
         raise InputError(str(e)) from None
+    if not adapter.has_cost_model():
+        raise InputError(f"system {args.system!r} has no cost model (SystemAdapter.simulate_step or sim_module): "
+                         f"it can be run, not simulated")
     if args.workload not in PRESETS:
         raise InputError(f"unknown workload {args.workload!r}; choose one of {sorted(PRESETS)}")
     if args.gpus < 1:

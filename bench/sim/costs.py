@@ -48,7 +48,6 @@ import numpy as np
 from bench.sim.cluster import Cluster
 from workloads import flops as F
 from workloads.presets import Workload
-from workloads.presets import MODULES
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
 ACT_BYTES = 34           # per token and hidden unit of a GELU + MHA layer (Korthikanti et al. 2022)

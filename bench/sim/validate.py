@@ -150,8 +150,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                      "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
                      "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
-                     "outside_cpu_share": statistics.median(shares) if shares else None,
-                     "measured_run_ids": [m["run_id"] for m, _ in group]})
+                     "outside_cpu_share": statistics.median(shares) if shares else None})
     return rows
 
 

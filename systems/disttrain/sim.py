@@ -13,7 +13,6 @@ import numpy as np
 from systems.base import MODULES, StepCost
 from systems.disttrain import sim_colocated
 from systems.disttrain.plan import module_layouts
-from systems.disttrain.search import search  # noqa: F401  (this module is the adapter's sim_module)
 from workloads.reorder import ModuleCost, assign_for_module, inter_microbatch_order, intra_microbatch_assign
 
 
@@ -35,6 +34,12 @@ def _module_ranks(bc, key, lay, gm, j, rd_ranks, reorder, cluster, host):
                      else (bc.gen_flops, bc.gen_tokens, bc.gen_owner))
     sel = np.isin(owner, gm)
     return (*_spread(fl[sel], tk[sel], lay["dp"], reorder), None)
+
+
+def search(w, num_devices, cluster, kit, **kw):
+    """The adapter's layout search (this module is its sim_module): systems.disttrain.search."""
+    from systems.disttrain import search as orchestrator
+    return orchestrator.search(w, num_devices, cluster, kit, **kw)
 
 
 def simulate_step(layout, step, kit) -> StepCost:
