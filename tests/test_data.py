@@ -188,3 +188,28 @@ def test_ensure_dataset_regenerates_incomplete_and_reuses_complete(tmp_path):
     (path / "shard-000000.tar").write_bytes(b"garbage")
     ensure_dataset(TINY, tmp_path, 8, seed=1)
     assert validate_dataset(path, checksums=True)["num_samples"] == 8
+
+
+def test_pixel_shuffle_groups_neighbouring_patches():
+    import torch
+    from workloads.model import pixel_shuffle
+    side, r = 4, 2
+    x = torch.arange(side * side, dtype=torch.float32).reshape(1, side * side, 1)   # patch id as its feature
+    out = pixel_shuffle(x, r)
+    assert out.shape == (1, 4, 4)
+    # token 0: the top-left 2x2 block, row-major (patches 0, 1, 4, 5); token 1: the block to its right.
+    assert out[0, 0].tolist() == [0, 1, 4, 5] and out[0, 1].tolist() == [2, 3, 6, 7]
+    assert out[0, 2].tolist() == [8, 9, 12, 13]
+
+
+def test_merged_images_take_fewer_sequence_positions(tmp_path):
+    w = get_workload("small-enc-heavy")           # patch 16, pixel shuffle 2: a 128-px image is 64 patches, 16 tokens
+    path = generate_dataset(w, tmp_path / "d", num_samples=8, seed=0)
+    reader = DatasetReader(path, w, seed=0)
+    mb = reader.load_microbatch(list(range(8)))
+    for row, meta in enumerate(reader.metas):
+        tokens = [w.image_tokens(r) for r in meta.input_resolutions]
+        assert meta.num_text_tokens + sum(tokens) == w.backbone.seq_length
+        starts = sorted(int(o) for g in mb.image_groups for o, rr in zip(g.token_offset, g.sample_row) if rr == row)
+        assert starts == [sum(tokens[:k]) for k in range(len(tokens))]
+    assert {g.patches.shape[1] for g in mb.image_groups} <= {w.image_patches(r) for r in w.encoder.resolutions}

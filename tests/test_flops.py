@@ -1,6 +1,8 @@
 """Per-module FLOPs against values computed by hand for a small shape."""
 from dataclasses import replace
 
+import pytest
+
 from workloads.flops import sample_flops
 from workloads.presets import BackboneShape, EncoderShape, GeneratorShape, get_workload
 
@@ -51,3 +53,19 @@ def test_generator_flops_by_hand():
     expected = 3 * (cond + latent_in + timestep + layer + head)
     assert sample_flops(W, [], [4]).generator == expected
     assert sample_flops(W, [], []).generator == 0
+
+
+def test_pixel_shuffle_halves_the_side_and_keeps_encoder_work():
+    # 8x8 image, patch 2 -> 16 patches; a 2x2 pixel shuffle leaves 4 backbone tokens of 4 patches each.
+    w = replace(W, encoder=replace(W.encoder, resolutions=(8,), token_merge=2))
+    assert (w.image_patches(8), w.image_tokens(8)) == (16, 4)
+    n, he, hb = 16, 4, 8
+    projector = 2 * (n // 4) * (4 * he * hb + hb * hb)   # r^2 h_e -> h_b over the merged tokens, then h_b -> h_b
+    plain = replace(W, encoder=replace(W.encoder, resolutions=(8,)))
+    plain_projector = 2 * n * (he * hb + hb * hb)
+    assert sample_flops(w, [8], []).encoder - sample_flops(plain, [8], []).encoder == 3 * (projector - plain_projector)
+
+
+def test_resolutions_must_tile_into_merged_patches():
+    with pytest.raises(ValueError, match="not a whole number"):
+        replace(W, encoder=replace(W.encoder, resolutions=(6,), token_merge=2))   # 3x3 patches

@@ -13,8 +13,9 @@ Norms, activations, softmax and embeddings lookups are ignored (< 1% at these sh
 
 Per module:
   encoder   per input image of n = (res / patch)^2 patches: patch embedding 2 n (C P^2) h_e,
-            the ViT layers over n tokens (attention within the image), and the projector
-            (two linears h_e -> h_b -> h_b): 2 n (h_e h_b + h_b^2).
+            the ViT layers over n tokens (attention within the image), and the projector over
+            the n / r^2 tokens left after an r x r pixel shuffle (two linears r^2 h_e -> h_b -> h_b):
+            2 (n / r^2) (r^2 h_e h_b + h_b^2).
   backbone  per sample of s = seq_length tokens (every token is real: samples are packed):
             layers over s tokens + the logits 2 s h V.
   generator per output image of t latent tokens, conditioned in context on K backbone
@@ -42,11 +43,11 @@ def layer_forward_flops(n: int, hidden: int, heads: int, kv_groups: int, ffn: in
 
 def encoder_image_flops(w: Workload, resolution: int) -> int:
     e, hb = w.encoder, w.backbone.hidden_size
-    n = w.image_tokens(resolution)
+    n, r2 = w.image_patches(resolution), e.token_merge ** 2
     fwd = 2 * n * w.image_patch_dim * e.hidden_size
     fwd += e.num_layers * layer_forward_flops(n, e.hidden_size, e.num_attention_heads,
                                               e.num_attention_heads, e.ffn_hidden_size, gated=False)
-    fwd += 2 * n * (e.hidden_size * hb + hb * hb)
+    fwd += 2 * (n // r2) * (r2 * e.hidden_size * hb + hb * hb)
     return TRAIN_MULTIPLIER * fwd
 
 
@@ -112,7 +113,7 @@ def parameter_counts(w: Workload) -> dict[str, int]:
     e, b, g = w.encoder, w.backbone, w.generator
     enc = (w.image_patch_dim * e.hidden_size
            + e.num_layers * layer(e.hidden_size, e.num_attention_heads, e.num_attention_heads, e.ffn_hidden_size, False)
-           + e.hidden_size * b.hidden_size + b.hidden_size ** 2)
+           + e.token_merge ** 2 * e.hidden_size * b.hidden_size + b.hidden_size ** 2)
     bb = (2 * b.vocab_size * b.hidden_size
           + b.num_layers * layer(b.hidden_size, b.num_attention_heads, b.num_query_groups, b.ffn_hidden_size, True))
     gen = (b.hidden_size * g.hidden_size + w.latent_patch_dim * g.hidden_size * 2

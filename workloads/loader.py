@@ -153,7 +153,7 @@ def collate(samples: list[Sample], workload: Workload, seed: int) -> MicroBatch:
         offset = 0
         for img in sample.images:
             images.setdefault(img.shape[0], []).append((row, offset, img))
-            offset += img.shape[0]
+            offset += img.shape[0] // workload.encoder.token_merge ** 2   # backbone tokens after pixel shuffle
         if offset + sample.text_tokens.numel() != s:
             raise ValueError(f"sample {sample.index}: {offset} image + {sample.text_tokens.numel()} text tokens != {s}")
         tokens[row, offset:] = sample.text_tokens

@@ -53,6 +53,17 @@ def _seq_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous()
 
 
+def pixel_shuffle(x: torch.Tensor, r: int) -> torch.Tensor:
+    """[imgs, side^2, h] in row-major patch order -> [imgs, (side/r)^2, r^2 h]: each r x r block
+    of neighbouring patches becomes one token (InternVL's pixel shuffle), blocks row-major."""
+    if r == 1:
+        return x
+    imgs, n, h = x.shape
+    side = math.isqrt(n)
+    x = x.reshape(imgs, side // r, r, side // r, r, h).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(imgs, (side // r) ** 2, r * r * h)
+
+
 class ImageEncoder(torch.nn.Module):
     """ViT over each image's own patches, then a projector into the backbone's width.
 
@@ -65,10 +76,12 @@ class ImageEncoder(torch.nn.Module):
         e = w.encoder
         self.seq_length, self.out_hidden = w.backbone.seq_length, w.backbone.hidden_size
         self.patch_embed = torch.nn.Linear(w.image_patch_dim, e.hidden_size, bias=False, dtype=config.params_dtype)
-        max_patches = max(w.image_tokens(r) for r in e.resolutions)
+        self.merge = e.token_merge
+        max_patches = max(w.image_patches(r) for r in e.resolutions)
         self.pos_embed = torch.nn.Parameter(torch.zeros(max_patches, e.hidden_size, dtype=config.params_dtype))
         self.vit = _block(config, pg, causal=False)
-        self.proj_in = torch.nn.Linear(e.hidden_size, self.out_hidden, bias=False, dtype=config.params_dtype)
+        self.proj_in = torch.nn.Linear(e.hidden_size * self.merge ** 2, self.out_hidden, bias=False,
+                                       dtype=config.params_dtype)
         self.proj_out = torch.nn.Linear(self.out_hidden, self.out_hidden, bias=False, dtype=config.params_dtype)
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
@@ -78,12 +91,13 @@ class ImageEncoder(torch.nn.Module):
             n = group.patches.shape[1]
             x = self.patch_embed(group.patches.to(dtype)) + self.pos_embed[:n]
             x = self.vit(_seq_first(x), attention_mask=None)               # [n, imgs, h]
-            x = self.proj_out(F.gelu(self.proj_in(x.transpose(0, 1))))      # [imgs, n, h_b]
+            x = pixel_shuffle(x.transpose(0, 1), self.merge)                # [imgs, n / r^2, r^2 h]
+            x = self.proj_out(F.gelu(self.proj_in(x)))                      # [imgs, n / r^2, h_b]
+            n = x.shape[1]
             rows = group.sample_row[:, None].expand(-1, n)
             cols = group.token_offset[:, None] + torch.arange(n, device=x.device)
             canvas = canvas.index_put((rows, cols), x)
         return canvas
-
 
 class Backbone(torch.nn.Module):
     """Llama-style decoder (or this pipeline stage's slice of it)."""

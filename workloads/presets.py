@@ -26,6 +26,10 @@ class EncoderShape:
     # Resolutions (square, pixels) an input image is resized to; a profile picks among them.
     resolutions: tuple[int, ...]
     num_channels: int = 3
+    # Pixel shuffle (InternVL's `downsample_ratio` 0.5 -> 2): the ViT's r x r neighbouring patch
+    # features are concatenated into one backbone token, so an image costs the encoder
+    # (res / patch)^2 patches but the backbone only that / r^2 tokens. 1: one token per patch.
+    token_merge: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,20 @@ class Workload:
             raise KeyError(f"unknown data profile {profile_name!r}; choose one of {sorted(DATA_PROFILES)}")
         return replace(self, data_profile=DATA_PROFILES[profile_name])
 
-    def image_tokens(self, resolution: int) -> int:
+    def __post_init__(self):
+        e = self.encoder
+        bad = [r for r in e.resolutions if r % e.patch_size or (r // e.patch_size) % e.token_merge]
+        if bad:
+            raise ValueError(f"workload {self.name}: encoder resolutions {bad} are not a whole number of "
+                             f"{e.token_merge}x{e.token_merge} groups of {e.patch_size}-px patches")
+
+    def image_patches(self, resolution: int) -> int:
+        """Patches the encoder's ViT runs over for one input image."""
         return (resolution // self.encoder.patch_size) ** 2
+
+    def image_tokens(self, resolution: int) -> int:
+        """Backbone sequence positions one input image takes (after pixel shuffle)."""
+        return self.image_patches(resolution) // self.encoder.token_merge ** 2
 
     def latent_tokens(self, resolution: int) -> int:
         side = resolution // self.generator.latent_downsample // self.generator.latent_patch_size
@@ -162,6 +178,67 @@ PRESETS: dict[str, Workload] = {
         global_batch_size=1024, micro_batch_size=1,
         source=_PAPER_SOURCE + "Llama-3-70B (meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, "
                "64 heads, 8 KV heads, FFN 28672, vocab 128256)",
+    ),
+    # Encoder-heavy: InternVL-style, a 6B ViT feeding a 20B LLM.
+    "enc-heavy-26b": Workload(
+        name="enc-heavy-26b",
+        # ViT over 448-px tiles (InternViT is trained at 448); smaller images are encoded at their own size.
+        encoder=EncoderShape(num_layers=45, hidden_size=3200, num_attention_heads=25, ffn_hidden_size=12800,
+                             patch_size=14, resolutions=(224, 336, 448), token_merge=2),
+        backbone=BackboneShape(num_layers=48, hidden_size=6144, num_attention_heads=48, num_query_groups=8,
+                               ffn_hidden_size=16384, vocab_size=92544, seq_length=8192),
+        generator=GeneratorShape(**_DIT_XL2, resolutions=(256, 512), num_cond_tokens=64),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=512, micro_batch_size=1,
+        source="encoder: InternViT-6B-448px-V1-5 (OpenGVLab/InternViT-6B-448px-V1-5 config.json: 45 layers, "
+               "hidden 3200, 25 heads, MLP 12800, patch 14, 448 px; pixel shuffle downsample_ratio 0.5 -> 256 "
+               "tokens per 448-px tile, InternVL 1.1 blog); backbone: InternLM2-20B (internlm/internlm2-20b "
+               "config.json: 48 layers, hidden 6144, 48 heads, 8 KV heads, FFN 16384, vocab 92544); generator: "
+               "DiT-XL/2 as in the other presets. seq_length 8192 is this harness's packing length, not "
+               "InternVL's. Our ViT layer is LayerNorm + GELU without InternViT's QK-norm (FLOPs equal).",
+    ),
+    # Generator-heavy: a 2B-class MMDiT at 1024 px beside an 8B LLM.
+    "gen-heavy-10b": Workload(
+        name="gen-heavy-10b",
+        encoder=EncoderShape(**_VIT_H14, resolutions=(224, 336, 448)),
+        backbone=BackboneShape(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                               ffn_hidden_size=14336, vocab_size=128256, seq_length=8192),
+        generator=GeneratorShape(num_layers=24, hidden_size=1536, num_attention_heads=24, ffn_hidden_size=6144,
+                                 latent_channels=16, latent_downsample=8, latent_patch_size=2,
+                                 resolutions=(512, 1024), num_cond_tokens=64),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=512, micro_batch_size=1,
+        source="generator: SD3-Medium MMDiT (stabilityai/stable-diffusion-3-medium-diffusers transformer/"
+               "config.json: 24 layers, 24 heads x 64 = width 1536, patch 2; VAE 16 latent channels, /8: "
+               "4096 image tokens at 1024 px), MLP ratio 4 (6144). We run it single-stream over image + "
+               "conditioning tokens: the same FLOPs per token, but one weight set where MMDiT keeps two (and "
+               "adaLN), so ~0.7B of SD3-Medium's 2B parameters; backbone: Llama-3-8B; encoder: ViT-H/14",
+    ),
+    "small-enc-heavy": Workload(
+        name="small-enc-heavy",
+        encoder=EncoderShape(num_layers=6, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1536,
+                             patch_size=16, resolutions=(64, 96, 128), token_merge=2),
+        backbone=BackboneShape(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=688, vocab_size=4096, seq_length=192),
+        generator=GeneratorShape(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                                 latent_channels=3, latent_downsample=4, latent_patch_size=2,
+                                 resolutions=(32, 64), num_cond_tokens=8),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=16, micro_batch_size=2,
+        source="CPU counterpart of enc-heavy-26b: encoder wider and deeper than the backbone, pixel shuffle 2",
+    ),
+    "small-gen-heavy": Workload(
+        name="small-gen-heavy",
+        encoder=EncoderShape(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                             patch_size=16, resolutions=(64, 96, 128)),
+        backbone=BackboneShape(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=688, vocab_size=4096, seq_length=192),
+        generator=GeneratorShape(num_layers=6, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1536,
+                                 latent_channels=3, latent_downsample=4, latent_patch_size=2,
+                                 resolutions=(64, 128), num_cond_tokens=8),
+        data_profile=DATA_PROFILES["heterogeneous"],
+        global_batch_size=16, micro_batch_size=2,
+        source="CPU counterpart of gen-heavy-10b: generator wider and deeper than the backbone, large outputs",
     ),
 }
 

@@ -85,7 +85,7 @@ def _module_flops(w, name, mb_metas) -> float:
 
 def _tokens(w, name, mb_metas) -> int:
     if name == "encoder":
-        return sum(w.image_tokens(r) for m in mb_metas for r in m.input_resolutions)
+        return sum(w.image_patches(r) for m in mb_metas for r in m.input_resolutions)
     if name == "backbone":
         return len(mb_metas) * w.backbone.seq_length
     return sum(w.latent_tokens(r) + w.generator.num_cond_tokens for m in mb_metas for r in m.output_resolutions)

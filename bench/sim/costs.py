@@ -109,7 +109,7 @@ def module_shapes(w: Workload) -> dict[str, ModuleShape]:
 
 @lru_cache(maxsize=256)
 def enc_image(w: Workload, res: int) -> tuple[float, int]:
-    return float(F.encoder_image_flops(w, res)), w.image_tokens(res)
+    return float(F.encoder_image_flops(w, res)), w.image_patches(res)
 
 
 @lru_cache(maxsize=256)
