@@ -12,6 +12,12 @@ from bench.sim import costs as C
 from bench.sim.batch import draw_batch
 from workloads.presets import Workload
 
+# A layout search may round the global batch to a multiple of (backbone DP x micro batch) when
+# that DP does not divide it (equal-GPU comparisons need not force a power-of-two backbone);
+# our choice: within 5% of the requested batch, close enough that the optimizer's
+# hyperparameters still hold. Throughput is then compared per sample.
+BATCH_TOLERANCE = 0.05
+
 # Encoder/generator tokens per rank assumed 2x the mean for memory checks (a batch's largest
 # microbatch, not its mean, must fit).
 MEM_HEADROOM = 2.0
@@ -25,6 +31,22 @@ class Stats:
     tokens: dict      # mean tokens per sample (image patches; latent + condition tokens)
     images: dict      # mean images per sample
     max_tokens: dict  # tokens of the largest single image
+
+
+def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int | None:
+    """B rounded to the nearest multiple of `unit` (DP x micro batch), None if that moves it
+    by more than `tolerance` of B."""
+    rounded = max(1, round(B / unit)) * unit
+    return rounded if abs(rounded - B) <= tolerance * B else None
+
+
+def batch_dps(st: "Stats", max_dp: int, exact: bool) -> list[tuple[int, int]]:
+    """(DP, global batch) pairs a search may use: DP dividing B / mbs (exact: the only ones the
+    runtime accepts), else any DP <= max_dp with the batch rounded (rounded_batch)."""
+    if exact:
+        return [(d, st.B) for d in range(1, min(max_dp, st.B // st.mbs) + 1) if (st.B // st.mbs) % d == 0]
+    pairs = [(d, rounded_batch(st.B, d * st.mbs)) for d in range(1, max_dp + 1)]
+    return [(d, b) for d, b in pairs if b is not None]
 
 
 def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 1) -> Stats:

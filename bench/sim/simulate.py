@@ -104,7 +104,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
                     profile: str | None = None, global_batch_size: int | None = None,
                     micro_batch_size: int | None = None, tags: dict | None = None) -> dict:
     """A bench.records record (mode "simulated") of one simulation; options None or "auto": the
-    system's own layout search."""
+    system's own layout search (whose layout may come with a rounded global batch)."""
     from bench.records import build_record, new_run_id
     w, cl = get_workload(workload_name, profile), get_cluster(cluster)
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
@@ -117,6 +117,8 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
             found, reason = None, f"layout search failed: {e}"
         chosen = "auto"
         options, estimate = (found["options"], found["estimate_s"]) if found else (None, None)
+        # A search may round the batch to fit its data parallelism (kit.estimate.rounded_batch).
+        B = found.get("global_batch_size", B) if found else B
     reorder = get_system(system).reorders_data if reorder is None else reorder
     config = {"num_gpus": num_gpus, "cluster": cl.name, "seed": seed, "num_batches": num_batches, "reorder": reorder,
               "global_batch_size": B, "micro_batch_size": mbs, "layout_choice": chosen, "options": options}

@@ -6,8 +6,10 @@ per-sample costs of a drawn batch (sum of stage times + (m - 1) x the slowest + 
 plus the slowest module's data-parallel sync. The exact simulator then scores the result.
 
 Search space: TP powers of two <= gpus_per_node dividing the module's heads (and KV groups);
-PP dividing the backbone's layers; backbone DP x microbatch dividing the global batch;
+PP dividing the backbone's layers; backbone DP any, the global batch rounded to a multiple of
+DP x microbatch within kit.estimate.BATCH_TOLERANCE (plans for this runtime: DP dividing it);
 encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus.
+Plans are compared by estimated seconds per sample, since their batches may differ.
 Pruning in `best_plan` (exact in the estimate except step 2's proxy):
   1. backbone configurations are visited by ascending lower bound (their own time, no
      encoder/generator) and the search stops once the bound reaches the best plan found;
@@ -20,6 +22,7 @@ Pruning in `best_plan` (exact in the estimate except step 2's proxy):
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 import numpy as np
@@ -48,8 +51,9 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
 
 
 def estimate_plan(kit, w, st, cluster, plan) -> float:
-    """Estimated iteration time of one plan; inf if a group does not fit in memory."""
+    """Estimated iteration time of one plan (its own global batch); inf if a group does not fit."""
     K, rc = plan["backbone"], plan.get("recompute", False)
+    st = replace(st, B=plan.get("global_batch_size", st.B))
     bp = kit.estimate.backbone_pipeline(w, st, cluster, K["tp"], K["pp"], K["dp"], rc, 1)
     t_b, links, sync_b, ok, m = bp.stage_s, bp.links, bp.sync_s, bp.fits, bp.num_microbatches
     S, samples = K["pp"] + 2, K["dp"] * st.mbs
@@ -86,9 +90,15 @@ def _table(rows, weight, sync_floor, n):
     return best[pick]
 
 
-def _plan(tp, pp, dp, te, tg, rc, est):
+def _plan(tp, pp, dp, te, tg, rc, est, batch):
     return {"encoder": {"tp": int(te[4]), "dp": int(te[5])}, "backbone": {"tp": tp, "pp": pp, "dp": dp},
-            "generator": {"tp": int(tg[4]), "dp": int(tg[5])}, "recompute": rc, "estimate_s": float(est)}
+            "generator": {"tp": int(tg[4]), "dp": int(tg[5])}, "recompute": rc, "estimate_s": float(est),
+            "global_batch_size": batch}
+
+
+def per_sample(plan: dict, key: str) -> float:
+    """Seconds per sample of a plan's `key` time (estimate_s, simulated_s) over its own batch."""
+    return plan[key] / plan["global_batch_size"]
 
 
 def options_of(plan: dict) -> dict:
@@ -98,24 +108,22 @@ def options_of(plan: dict) -> dict:
 
 
 def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> dict | None:
-    """DistTrain plan minimizing the estimated iteration time, or None if nothing fits."""
+    """DistTrain plan minimizing the estimated seconds per sample, or None if nothing fits."""
     C, b = kit.costs, w.backbone
     cands = []
-    for rc, tp, pp, dp in product(recompute, C.tp_choices(cluster.gpus_per_node, b.num_attention_heads,
-                                                          b.num_query_groups),
-                                  C.divisors(b.num_layers), C.divisors(st.B // st.mbs)):
-        if tp * pp * dp > num_gpus - 2:
-            continue
-        bp = kit.estimate.backbone_pipeline(w, st, cluster, tp, pp, dp, rc, 1)
-        if bp.fits:
-            cands.append((kit.schedule.estimate_1f1b(bp.stage_s, bp.links, bp.num_microbatches) + bp.sync_s,
-                          rc, tp, pp, dp, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches))
+    for rc, tp, pp in product(recompute, C.tp_choices(cluster.gpus_per_node, b.num_attention_heads,
+                                                      b.num_query_groups), C.divisors(b.num_layers)):
+        for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * pp), exact=False):
+            bp = kit.estimate.backbone_pipeline(w, replace(st, B=batch), cluster, tp, pp, dp, rc, 1)
+            if bp.fits:
+                lb = kit.schedule.estimate_1f1b(bp.stage_s, bp.links, bp.num_microbatches) + bp.sync_s
+                cands.append((lb / batch, rc, tp, pp, dp, batch, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches))
     cands.sort(key=lambda c: c[0])
     best, tables = None, {}
-    for lb, rc, tp, pp, dp, t_b, links, sync, m in cands:
-        if best is not None and lb >= best["estimate_s"]:
+    for lb, rc, tp, pp, dp, batch, t_b, links, sync, m in cands:
+        if best is not None and lb >= per_sample(best, "estimate_s"):
             break
-        key = (rc, pp, dp)
+        key = (rc, pp, dp, m)
         if key not in tables:
             S = pp + 2
             tables[key] = [_sides(kit, w, st, cluster, k, dp * st.mbs, inflight, rc, num_gpus - 2)
@@ -131,37 +139,41 @@ def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> di
                          + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
             total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
             k = int(np.argmin(total))
-            if np.isfinite(total[k]) and (best is None or total[k] < best["estimate_s"]):
-                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k])
+            if np.isfinite(total[k]) and (best is None or total[k] / batch < per_sample(best, "estimate_s")):
+                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch)
     return best
 
 
 def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact: bool = False):
     """Every plan of at most (exact: exactly) `num_gpus` devices: TP powers of two <= gpus_per_node
-    dividing the heads, PP dividing the layers, backbone DP x microbatch dividing the batch."""
+    dividing the heads, PP dividing the layers, backbone DP with the batch rounded to a multiple
+    of DP x microbatch (exact: DP x microbatch dividing the batch, as the runtime requires)."""
     C, b, gpn = kit.costs, w.backbone, cluster.gpus_per_node
     side = {k: [(tp, dp) for tp in C.tp_choices(gpn, C.module_shapes(w)[k].heads) for dp in range(1, num_gpus // tp + 1)]
             for k in ("encoder", "generator")}
-    for rc, tp, pp, dp in product(recompute, C.tp_choices(gpn, b.num_attention_heads, b.num_query_groups),
-                                  C.divisors(b.num_layers), C.divisors(st.B // st.mbs)):
-        for (te, de), (tg, dg) in product(side["encoder"], side["generator"]):
-            used = tp * pp * dp + te * de + tg * dg
-            if used == num_gpus or (not exact and used < num_gpus):
-                yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "pp": pp, "dp": dp},
-                       "generator": {"tp": tg, "dp": dg}, "recompute": rc}
+    for rc, tp, pp in product(recompute, C.tp_choices(gpn, b.num_attention_heads, b.num_query_groups),
+                              C.divisors(b.num_layers)):
+        for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * pp), exact):
+            for (te, de), (tg, dg) in product(side["encoder"], side["generator"]):
+                used = tp * pp * dp + te * de + tg * dg
+                if used == num_gpus or (not exact and used < num_gpus):
+                    yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "pp": pp, "dp": dp},
+                           "generator": {"tp": tg, "dp": dg}, "recompute": rc, "global_batch_size": batch}
 
 
 def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True), objective: str = "estimate",
                      seed: int = 0, **sim_kwargs) -> tuple[dict | None, float]:
-    """Every plan, no pruning; objective "estimate" (as best_plan) or "simulate" (exact simulator)."""
+    """Every plan, no pruning; objective "estimate" (as best_plan) or "simulate" (exact simulator),
+    in seconds per sample of the plan's own batch."""
     best, best_v = None, float("inf")
     for plan in all_plans(kit, w, num_gpus, cluster, st, recompute):
+        batch = plan["global_batch_size"]
         if objective == "estimate":
-            v = estimate_plan(kit, w, st, cluster, plan)
+            v = estimate_plan(kit, w, st, cluster, plan) / batch
         else:
-            r = kit.simulate(w, "disttrain", options_of(plan), num_gpus, cluster, seed=seed, global_batch_size=st.B,
+            r = kit.simulate(w, "disttrain", options_of(plan), num_gpus, cluster, seed=seed, global_batch_size=batch,
                              micro_batch_size=st.mbs, **sim_kwargs)
-            v = r["iteration_time_s"] if r["feasible"] else float("inf")
+            v = r["iteration_time_s"] / batch if r["feasible"] else float("inf")
         if v < best_v:
             best, best_v = plan, v
     return best, best_v
@@ -195,7 +207,7 @@ def best_exact_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, refine: i
                          global_batch_size=st.B, micro_batch_size=st.mbs, data_order=data_order, reorder=False)
         key = (r["iteration_time_s"], text)
         if r["feasible"] and (best is None or key < best[0]):
-            best = (key, {**plan, "estimate_s": est, "simulated_s": r["iteration_time_s"]})
+            best = (key, {**plan, "estimate_s": est, "simulated_s": r["iteration_time_s"], "global_batch_size": st.B})
     return best[1] if best else None
 
 
@@ -244,7 +256,7 @@ def best_colocated_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, exact
                          reorder=False if exact else None)
         key = (r["iteration_time_s"], plan_text(plan))
         if r["feasible"] and (best is None or key < best[0]):
-            best = (key, {**plan, "simulated_s": r["iteration_time_s"]})
+            best = (key, {**plan, "simulated_s": r["iteration_time_s"], "global_batch_size": st.B})
     return best[1] if best else None
 
 
@@ -261,7 +273,8 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
         disaggregated = best_plan(kit, w, num_devices, cluster, st)
         if disaggregated is not None:
             r = kit.simulate(w, "disttrain", options_of(disaggregated), num_devices, cluster, seed=seed,
-                             num_batches=1, global_batch_size=st.B, micro_batch_size=st.mbs)
+                             num_batches=1, global_batch_size=disaggregated["global_batch_size"],
+                             micro_batch_size=st.mbs)
             disaggregated["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
         how = ("disaggregated: pruned search over module TP/DP and backbone TP/PP/DP by the 1F1B estimate "
                "(brute-force tested); colocated: every plan on the most ranks that admit one; the faster "
@@ -270,8 +283,8 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     found = [p for p in (disaggregated, colocated) if p is not None and np.isfinite(p.get("simulated_s", np.inf))]
     if not found:
         return None
-    plan = min(found, key=lambda p: (p["simulated_s"], plan_text(p)))
+    plan = min(found, key=lambda p: (per_sample(p, "simulated_s"), plan_text(p)))
     return {"options": options_of(plan), "estimate_s": plan.get("estimate_s", plan["simulated_s"]),
-            "simulated_s": plan["simulated_s"], "search": how,
+            "simulated_s": plan["simulated_s"], "global_batch_size": plan["global_batch_size"], "search": how,
             "candidates_s": {"disaggregated": disaggregated and disaggregated.get("simulated_s"),
                              "colocated": colocated and colocated["simulated_s"]}}
