@@ -16,7 +16,7 @@ def test_best_plan_mllm72b_1172_gpus(benchmark):
     found = benchmark.pedantic(search_layout, args=(w, "disttrain", GPUS, get_cluster("h100")), rounds=3,
                                iterations=1)
     assert found is not None
-    layout = resolve_layout(w, "disttrain", found["options"], GPUS, w.global_batch_size, w.micro_batch_size)
+    layout = resolve_layout(w, "disttrain", found["options"], GPUS, found["global_batch_size"], w.micro_batch_size)
     assert layout.num_devices <= GPUS
     benchmark.extra_info["plan"] = layout.label
     benchmark.extra_info["estimate_s"] = found["estimate_s"]
