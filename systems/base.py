@@ -185,7 +185,9 @@ class SystemAdapter(ABC):
                       global_batch_size: int, micro_batch_size: int, exact: bool) -> dict[str, Any] | None:
         """The options of the fastest layout the cost model finds (plus "estimate_s" and what
         the search did), or None if nothing fits. exact=True: a layout `bench run` can run on
-        exactly `num_devices` processes (plan=auto); False: any layout of at most that many."""
+        exactly `num_devices` processes (plan=auto); False: any layout of at most that many,
+        possibly with the batch rounded to fit its data parallelism (then "global_batch_size"
+        says which, kit.estimate.rounded_batch; compare such layouts per sample)."""
         if self.sim_module is None:
             raise ConfigError(f"system {self.name!r} has no layout search; give its layout explicitly")
         return importlib.import_module(self.sim_module).search(
