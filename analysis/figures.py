@@ -14,12 +14,13 @@ import matplotlib.pyplot as plt
 from analysis import fig_perf  # noqa: F401,I001
 from analysis import fig_ablation  # noqa: F401
 from analysis import fig_traces  # noqa: F401
+from analysis import fig_map  # noqa: F401
 from analysis.load import Results
 from analysis.style import CAPTIONS, DPI, FIGURES, NoData
 
 __all__ = ["FIGURES", "CAPTIONS", "NoData", "Outcome", "draw_all"]
 # Report order; a figure not listed here follows, in registration order.
-ORDER = ("throughput", "mfu", "speedup", "scaling", "orchestration", "reorder", "preprocess",
+ORDER = ("throughput", "mfu", "speedup", "scaling", "orchestration", "reorder", "preprocess", "map",
          "loss", "timeline")
 
 

@@ -16,8 +16,10 @@ import pandas as pd
 
 from bench.records import read_records
 from systems.base import baseline_names
+from workloads.flops import parameter_counts
+from workloads.presets import PRESETS
 
-WORKLOAD_ORDER = ("tiny", "small", "mllm-9b", "mllm-15b", "mllm-72b")
+WORKLOAD_ORDER = tuple(sorted(PRESETS, key=lambda name: parameter_counts(PRESETS[name])["total"]))  # by model size
 # Columns every runs frame has, whether or not any record carries them.
 RUN_COLUMNS = ("run_id", "mode", "timestamp", "system", "workload", "data_profile", "status",
                "reason", "num_devices", "layout_label", "experiment", "plan_kind", "reorder",

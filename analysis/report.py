@@ -5,11 +5,13 @@ from pathlib import Path
 
 from analysis.figures import Outcome, draw_all
 from analysis.load import Results, load, sort_key
+from analysis.paper import paper_section
 from analysis.tables import (ORDER, ablation_section, cell, headline_section, markdown_table, summary_table,
                              validation_section)
 
 TITLES = {"throughput": "Throughput", "mfu": "Model FLOPs utilization", "speedup":
-          "Speedup over the baseline", "scaling": "Scaling with device count", "orchestration":
+          "Speedup over the baseline", "scaling": "Scaling with device count",
+          "map": "Where disaggregation pays (simulated)", "orchestration":
           "Ablation: orchestration plan", "reorder": "Ablation: data reordering", "preprocess":
           "Ablation: data preprocessing", "loss": "Loss curves", "timeline": "Iteration timeline"}
 def _speedup_note(baseline: str | None) -> str:
@@ -45,6 +47,7 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
             md += [f"![{titles.get(o.name, o.name)}]({o.path.name})", "", o.caption, ""]
         else:
             md += [f"*Skipped: {o.skipped}.* ({o.caption})", ""]
+    md += paper_section(runs, data.baseline)
     md += validation_section(runs)
     md += ["## Failed and skipped runs", ""]
     bad = runs[runs["status"] != "ok"].sort_values(ORDER, key=sort_key)

@@ -355,3 +355,24 @@ def test_no_baseline_skips_speedups_with_a_note(tmp_path, capsys):
     assert " vs " not in text.split("## Headline")[1].split("## Summary")[0]  # no baseline to compare against
     assert main(["report", "--results", str(d), "--out", str(tmp_path / "o"), "--baseline", TOY]) == 0
     assert f"speedup vs {TOY}" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_map_share_and_paper_table_from_simulated_records(tmp_path):
+    from analysis.fig_map import speedup_map
+    from analysis.paper import paper_rows
+    from bench.sim.batch import draw_batch
+    from bench.sim.simulate import simulate_record
+    from workloads.flops import batch_flops
+    from workloads.presets import get_workload
+    recs = {s: simulate_record("mllm-9b", s, 16, num_batches=1) for s in ("megatron", "disttrain")}
+    write_results(tmp_path / "r", list(recs.values()))
+    runs = load_mod.load(tmp_path / "r").runs
+    (row,) = speedup_map(runs, "megatron").to_dict("records")
+    w = get_workload("mllm-9b")
+    flops = batch_flops(w, draw_batch(w, recs["disttrain"]["config"]["global_batch_size"], 0, 0))
+    assert row["side_share"] == pytest.approx((flops.encoder + flops.generator) / flops.total, rel=1e-9)
+    ratio = recs["disttrain"]["metrics"]["samples_per_s"] / recs["megatron"]["metrics"]["samples_per_s"]
+    assert row["speedup"] == pytest.approx(ratio)
+    claims = {r["claim"]: r for r in paper_rows(runs, "megatron")}
+    assert claims["up to 2.2x Megatron-LM throughput"]["ours (simulated)"].startswith(f"up to {ratio:.2f}x megatron")
+    assert "54.7% MFU, 72B MLLM on 1172 GPUs" not in claims        # no 72B / 1172-GPU record here

@@ -24,7 +24,6 @@ import numpy as np
 from PIL import Image
 
 from workloads.presets import Workload
-from workloads.profiles import Choice
 from workloads.tokenizer import TOKENIZER_FILE, save_tokenizer, train_tokenizer
 
 FORMAT_VERSION = 1
@@ -52,16 +51,10 @@ class SampleMeta:
                 + [f"{self.key}.out{j}.jpg" for j in range(len(self.output_resolutions))])
 
 
-def _draw(choice: Choice, rng: np.random.Generator, size: int | None = None):
-    p = np.asarray(choice.weights, dtype=np.float64)
-    return rng.choice(np.asarray(choice.values), size=size, p=p / p.sum())
-
-
 def plan_sample(workload: Workload, rng: np.random.Generator, index: int) -> SampleMeta:
-    """Draw image counts and resolution buckets; drop trailing input images that leave too little text."""
-    prof, seq = workload.data_profile, workload.backbone.seq_length
-    inputs = [workload.encoder.resolutions[int(b)] for b in _draw(prof.input_resolution, rng, int(_draw(prof.input_images, rng)))]
-    outputs = [workload.generator.resolutions[int(b)] for b in _draw(prof.output_resolution, rng, int(_draw(prof.output_images, rng)))]
+    """The profile draws the images; trailing input images that leave too little text are dropped."""
+    seq = workload.backbone.seq_length
+    inputs, outputs = workload.data_profile.draw(workload, rng)
     while inputs and sum(map(workload.image_tokens, inputs)) > seq - workload.min_text_tokens:
         inputs.pop()
     text = seq - sum(map(workload.image_tokens, inputs))

@@ -3,6 +3,7 @@
     python -m bench simulate --system disttrain --workload mllm-72b --gpus 1172 [--cluster h100]
         [--layout auto | LABEL | '{"tp": 8, ...}']
         [--set seed=0 --set num_batches=2 --set reorder=true --set global_batch_size=1024 ...]
+        [--set profile=packed  (or data.profile=packed, as for `bench run`)]
         [--set tp=8 --set pp=10 ...  (the system's own options, as for `bench run`)]
 
 --layout: auto (the system's own layout search), a layout label exactly as records and
@@ -24,6 +25,8 @@ from pathlib import Path
 
 SETTABLE = {"seed": int, "num_batches": int, "reorder": bool, "global_batch_size": int, "micro_batch_size": int,
             "profile": str}
+# `bench run` spells the data profile data.profile; accept that spelling here too.
+ALIASES = {"data.profile": "profile"}
 
 
 class InputError(ValueError):
@@ -61,7 +64,7 @@ def parse_sets(items: list[str], system_options: dict) -> tuple[dict, dict]:
     settings, options = {}, {}
     for item in items:
         key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
+        key, value = ALIASES.get(key.strip(), key.strip()), value.strip()
         if not sep or not key or not value:
             raise InputError(f"malformed --set {item!r}: write key=value, e.g. --set seed=1")
         if key in system_options:
