@@ -9,7 +9,9 @@ scripts/setup_env.sh
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 py=.venv/bin/python
 # The profile first: plan=auto and the simulator's CPU model read it.
-[ -f results/profiles/cpu-small.json ] || $py -m bench profile --workload small
+for workload in small small-enc-heavy; do
+    [ -f "results/profiles/cpu-$workload.json" ] || $py -m bench profile --workload "$workload"
+done
 $py -m bench sweep "${1:-bench/sweeps/default.toml}"
 $py -m bench validate
 $py -m analysis report

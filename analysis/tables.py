@@ -76,26 +76,52 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
     return table
 
 
-def _ratio_lines(best: pd.DataFrame) -> list[str]:
+def _ratio_lines(best: pd.DataFrame, predicted: dict) -> list[str]:
     """'<system> vs <baseline>: 1.02× [0.95, 1.10], no difference beyond the noise (±10%).' for
-    each system under study against each baseline (best: best configuration per system)."""
+    each system under study against each baseline (best: best configuration per system), with
+    the simulator's predicted ratio where both configurations were validated."""
     order = system_order(best.index)
     baselines = [s for s in order if is_baseline(s)]
     lines = []
     for system in (s for s in order if s not in baselines):
         for b in baselines:
             words = ratio_of_medians(best.loc[system, "repeat_values"], best.loc[b, "repeat_values"]).verdict()
+            t_sys, t_base = predicted.get(best.loc[system, "config_key"]), predicted.get(best.loc[b, "config_key"])
+            if t_sys and t_base:   # same batch: samples/s ratio = inverse ratio of iteration times
+                words += f"; the simulator (bench validate) predicts {t_base / t_sys:.2f}×"
             lines += [f"- {system} vs {b}: {words}."]
     return lines + [""] if lines else []
 
 
+def predicted_times(runs: pd.DataFrame) -> dict:
+    """config_key -> median simulated iteration time of its validated repeats (bench validate)."""
+    if runs.empty or "tags.measured_run_id" not in runs:
+        return {}
+    sim = runs[(runs["mode"] == "simulated") & (runs["experiment"] == "validation") & (runs["status"] == "ok")
+               & runs["tags.measured_run_id"].notna()]
+    keys = runs[runs["mode"] == "measured"].drop_duplicates("run_id").set_index("run_id")["config_key"]
+    sim = sim.assign(key=sim["tags.measured_run_id"].map(keys)).dropna(subset=["key"])
+    return sim.groupby("key")["metrics.iteration_time_s"].median().to_dict()
+
+
+# Experiments (tags.experiment) that compare systems head to head, in report order.
+COMPARISONS = {"main": "the main comparison", "encoder-heavy": "the encoder-heavy regime"}
+
+
 def headline_section(runs: pd.DataFrame) -> list[str]:
-    """The main comparison (tag experiment=main): each system's best configuration by median
+    """The head-to-head comparisons (COMPARISONS): each system's best configuration by median
     samples/s with its 95% interval, and each system under study against each baseline."""
-    main = ok(runs[runs["experiment"] == "main"])
+    md, predicted = [], predicted_times(runs)
+    for experiment, title in COMPARISONS.items():
+        md += _comparison(runs, experiment, title, predicted)
+    return md + busy_lines(runs) if md else []
+
+
+def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict) -> list[str]:
+    main = ok(runs[runs["experiment"] == experiment])
     if main.empty:
         return []
-    md = ["## Headline: the main comparison", "",
+    md = [f"## Headline: {title}", "",
           "Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
           "configurations interleaved), the 95% bootstrap interval of the median, and ratios of "
           "medians with their 95% interval; a system is called faster or slower only when the "
@@ -109,8 +135,8 @@ def headline_section(runs: pd.DataFrame) -> list[str]:
                  "samples/s (median)": f"{r['samples_per_s']:.4g}",
                  "95% interval": interval(r["samples_per_s_low"], r["samples_per_s_high"]),
                  "CV %": num(".1f")(100 * r["cv"]), "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
-        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best)
-    return md + busy_lines(runs)
+        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted)
+    return md
 
 
 def busy_lines(runs: pd.DataFrame) -> list[str]:
