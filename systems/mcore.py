@@ -15,10 +15,15 @@ def use_cpu_if_needed(device: torch.device) -> None:
         cpu_compat.install()
 
 
-def wrap_ddp(module, config, pg_collection=None):
+def wrap_ddp(module, config, pg_collection=None, overlap: bool = False):
+    """overlap: megatron's overlap_grad_reduce + overlap_param_gather (bucketed reduce-scatter
+    launched during the last microbatch's backward, all-gather waited on in the next forward's
+    pre-hooks; default bucket max(4e7, 1e6 x dp) parameters, megatron-core
+    distributed/distributed_data_parallel.py). Off: one synchronous reduce-scatter after the
+    schedule and one all-gather in the optimizer step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+                                               overlap_param_gather=overlap, use_distributed_optimizer=True)
     kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, **kwargs)
 
@@ -35,14 +40,38 @@ def build_optimizer(model_chunks, optim, dtype: torch.dtype, pg_collection=None)
     return get_megatron_optimizer(config, model_chunks, **kwargs)
 
 
-def attach_grad_hooks(config, model_chunks) -> None:
-    """What Megatron-LM's training loop sets so the schedule reduces DP gradients."""
+def attach_grad_hooks(config, model_chunks, overlap: bool = False) -> None:
+    """What Megatron-LM's training loop sets so the schedule reduces DP gradients; with
+    overlap, grad_sync_func lets the interleaved schedule start each chunk's reduce-scatter
+    after the chunk's last backward (Megatron-LM's default align_grad_reduce)."""
     from megatron.core.distributed import finalize_model_grads
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in model_chunks]
+    config.grad_sync_func = [m.start_grad_sync for m in model_chunks] if overlap else None
     if len(model_chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]
-    config.grad_sync_func = None
+        config.grad_sync_func = config.grad_sync_func and config.grad_sync_func[0]
+
+
+def anchor_params(module) -> None:
+    """Give every parameter of `module` a gradient in every microbatch: its output gets
+    0 x (sum of its parameters) added (exactly zero), so a call that skipped the module's
+    layers (no images) still reaches all of them in backward."""
+    def hook(mod, args, output):
+        zero = torch.stack([p.sum(dtype=torch.float32) for p in mod.parameters() if p.requires_grad]).sum() * 0.0
+        return output + zero.to(output.dtype)
+    module.register_forward_hook(hook)
+
+
+def check_one_bucket(model_chunks) -> None:
+    """Overlap with several buckets issues their collectives in the order the buckets fill
+    (backward) or are first used (forward), which the MLLM's data-dependent encoder and
+    generator calls can make differ across DP ranks; one bucket per chunk cannot."""
+    for m in model_chunks:
+        if len(m.bucket_groups) > 1:
+            raise RuntimeError(f"overlap=True with {len(m.bucket_groups)} gradient buckets in one model chunk: "
+                               "measured runs support one bucket per chunk (megatron's default bucket is "
+                               "max(4e7, 1e6 x dp) parameters); use overlap=False for this model")
 
 
 class UpdateTracker:

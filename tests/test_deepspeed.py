@@ -7,6 +7,7 @@ import pytest
 from bench.config import resolve
 from bench.run.runner import run
 from systems.base import ConfigError
+from workloads.presets import get_workload
 
 STEPS = 5
 # Short runs on a small dataset; the data root is per module so concurrent test sessions
@@ -95,10 +96,28 @@ def test_layout_and_defaults():
     cfg, layout = resolve("deepspeed", "tiny", 2, {})
     assert cfg.options["zero_stage"] == 1
     assert layout.label == "zero1-dp2" and layout.num_devices == 2
-    assert layout.details == {"zero_stage": 1, "dp": 2, "recompute": False}
+    # overlap_comm unset is DeepSpeed's own default: off for ZeRO-1/2, on for ZeRO-3
+    assert layout.details == {"zero_stage": 1, "dp": 2, "recompute": False, "overlap_comm": False}
     assert layout.module_dp == {"encoder": 2, "backbone": 2, "generator": 2}
     _, layout = resolve("deepspeed", "tiny", 4, {"zero_stage": 3})
-    assert layout.label == "zero3-dp4" and layout.details == {"zero_stage": 3, "dp": 4, "recompute": False}
+    assert layout.label == "zero3-dp4"
+    assert layout.details == {"zero_stage": 3, "dp": 4, "recompute": False, "overlap_comm": True}
+
+
+@pytest.mark.parametrize("sets, label", [
+    ({"zero_stage": 1, "overlap_comm": True}, "zero1-dp2-ov"),
+    ({"zero_stage": 3, "overlap_comm": False}, "zero3-dp2-noov"),
+    ({"zero_stage": 2}, "zero2-dp2"),
+])
+def test_overlap_comm_labels_round_trip(sets, label):
+    from systems.base import get_system
+    _, layout = resolve("deepspeed", "tiny", 2, sets)
+    assert layout.label == label
+    adapter = get_system("deepspeed")
+    again = adapter.layout({**adapter.options, **adapter.options_from_label(label)}, 2, get_workload("tiny"), 8, 2)
+    assert again.label == label and again.details == layout.details
+    with pytest.raises(ConfigError, match="overlap_comm"):
+        resolve("deepspeed", "tiny", 2, {"overlap_comm": "sometimes"})
 
 
 @pytest.mark.multiprocess

@@ -20,7 +20,7 @@ def tiny_profile(tmp_path_factory):
     """`python -m bench profile` of tiny, in its own process (it installs the CPU shims)."""
     out = tmp_path_factory.mktemp("prof") / "cpu-tiny.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--out", str(out),
-                           "--microbatches", "3", "--repeats", "1", "--no-comm"],
+                           "--microbatches", "3", "--repeats", "1", "--no-comm", "--gemm-grid", "32,64,128"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[profile] wrote" in proc.stdout
@@ -40,6 +40,10 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     assert p["optimizer"]["fixed_s"] >= 0 and p["optimizer"]["s_per_param"] >= 0
     assert p["data"]["mean_load_s_per_sample"] > 0
     assert p["comm"] is None                                 # --no-comm
+    g = p["gemm"]                                            # a 3^3 GEMM table, 3 kinds each
+    assert g["grid"] == [32, 64, 128] and len(g["rows"]) == 27 and g["threads"] == 1
+    assert all(r[f"{k}_s"] > 0 for r in g["rows"] for k in ("forward", "dgrad", "wgrad"))
+    assert g["leave_one_out_error"]["points"] == 3
 
 
 @pytest.mark.multiprocess
@@ -75,6 +79,9 @@ def test_cli_derive_and_bad_input(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "huge"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: unknown workload")
+    bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--gemm-grid", "64"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--gemm-grid" in bad.stderr
 
 
 def test_fits():

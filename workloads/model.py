@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
+                                           gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from workloads.batch import MicroBatch
@@ -42,11 +44,30 @@ def module_config(shape, *, tp_size: int, pp_size: int = 1, gated: bool, dtype: 
     )
 
 
-def _block(config: TransformerConfig, pg, *, causal: bool, pre_process=True, post_process=True) -> TransformerBlock:
+class SequenceParallelNorm:
+    """megatron-core's torch norm (WrappedTorchNorm) refuses sequence parallelism, which apex's
+    fused norm supports by tagging its weights: the same torch norm, tagged, so megatron's
+    finalize_model_grads all-reduces their gradients over TP (each rank saw s/TP tokens)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def _block(config: TransformerConfig, pg, *, causal: bool, pre_process=True, post_process=True,
+           vp_stage: int | None = None) -> TransformerBlock:
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     if not causal:
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
-    return TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process, pg_collection=pg)
+    if config.sequence_parallel:
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
+        layers = get_num_layers_to_build(config, vp_stage, pg.pp.rank())
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
+    return TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process, pg_collection=pg,
+                            vp_stage=vp_stage)
 
 
 def _seq_first(x: torch.Tensor) -> torch.Tensor:
@@ -102,10 +123,13 @@ class ImageEncoder(torch.nn.Module):
 class Backbone(torch.nn.Module):
     """Llama-style decoder (or this pipeline stage's slice of it)."""
 
-    def __init__(self, w: Workload, config: TransformerConfig, pg, *, pre_process=True, post_process=True):
+    def __init__(self, w: Workload, config: TransformerConfig, pg, *, pre_process=True, post_process=True,
+                 vp_stage: int | None = None):
         super().__init__()
         b = w.backbone
         self.pre_process, self.post_process, self.tp_group = pre_process, post_process, pg.tp
+        # Sequence parallel: hidden states between layers (and stages) are [s / TP, b, h].
+        self.sequence_parallel = config.sequence_parallel
         self.num_cond_tokens = w.generator.num_cond_tokens
         init = lambda t: torch.nn.init.normal_(t, std=INIT_STD)
         if pre_process:
@@ -113,7 +137,8 @@ class Backbone(torch.nn.Module):
                                                     config=config, tp_group=pg.tp)
         self.rotary = RotaryEmbedding(kv_channels=b.hidden_size // b.num_attention_heads, rotary_percent=1.0,
                                       cp_group=pg.cp)
-        self.decoder = _block(config, pg, causal=True, pre_process=pre_process, post_process=post_process)
+        self.decoder = _block(config, pg, causal=True, pre_process=pre_process, post_process=post_process,
+                              vp_stage=vp_stage)
         if post_process:
             self.output_layer = ColumnParallelLinear(b.hidden_size, b.vocab_size, config=config, init_method=init,
                                                      bias=False, gather_output=False, tp_group=pg.tp)
@@ -130,11 +155,18 @@ class Backbone(torch.nn.Module):
             # is added to the projected image features, as LLaVA-style models do.
             text = self.embedding(mb.tokens)
             hidden = _seq_first(text if image_canvas is None else text + image_canvas)
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
         rope = self.rotary(mb.tokens.shape[1])
         hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=rope)
         if not self.post_process:
             return hidden
         logits, _ = self.output_layer(hidden)                                # [s, b, V/tp]
+        if self.sequence_parallel:
+            # The generator takes the full (TP-replicated) conditioning states, and so gives every
+            # rank the full gradient: backward keeps this rank's part instead of summing.
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
         token_loss = vocab_parallel_cross_entropy(logits.float(), _seq_first(mb.labels), self.tp_group)
         mask = mb.loss_mask
         lm_loss = (token_loss.transpose(0, 1) * mask).sum(1) / mask.sum(1).clamp(min=1)

@@ -20,7 +20,10 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
   * data: decoding + preprocessing a sample (DatasetReader.load_sample), fitted as
     a + b x input-image pixels + c x output-image pixels, and collating a microbatch;
   * communication (CPU, unless --no-comm): gloo point-to-point ping-pong and all-reduce
-    between 2 local processes, fitted as latency + bytes / bandwidth.
+    between 2 local processes, fitted as latency + bytes / bandwidth;
+  * a GEMM table (unless --no-gemm): torch.matmul forward / dgrad / wgrad over a grid of
+    (m, n, k) with the runs' threads (bench.profile.gemm), from which the simulator predicts any
+    GEMM shape; optional in the file (older profiles have none).
 
 A profile for hardware that is not here is *derived* (`--spec H100-SXM`): the datasheet peak
 times a measured efficiency per module (from `--efficiency-from` a CPU profile, or the
@@ -43,6 +46,7 @@ from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
                                  load_profile, versions, write_profile)
 from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
+from bench.profile.gemm import gemm_table
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
 from workloads.presets import MODULES
 
@@ -59,8 +63,9 @@ CPU_MAX_PARAMS = 500e6
 def profile_workload(workload: str, *, data_profile: str | None = None, device: str = "cpu",
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
-                     comm: bool = True, log=print) -> dict:
-    """Measure one workload on the hardware present; returns the profile dict (see module doc)."""
+                     comm: bool = True, gemm_grid=(), log=print) -> dict:
+    """Measure one workload on the hardware present; returns the profile dict (see module doc).
+    gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none."""
     import torch
     from bench.metrics import PEAK_FLOPS, accelerator_key, measure_cpu_matmul_flops
     from workloads.flops import parameter_counts
@@ -124,6 +129,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         log(f"[profile]   {n:9s} fwd {m['forward_s_per_layer'] * 1e3:7.3f} ms/layer  bwd "
             f"{m['backward_s_per_layer'] * 1e3:7.3f} ms/layer  {m['achieved_flops'] / 1e9:6.2f} GFLOP/s  "
             f"efficiency {m['efficiency']:.2f}  act {m['activation_bytes'] / 2**20:.1f} MiB")
+    gemm = (None if gemm_grid is None
+            else gemm_table(gemm_grid or None, device=device, dtype=dtype, threads=threads, log=log))
     comm_result = None
     if comm and device == "cpu":
         try:
@@ -153,7 +160,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                                                    if device == "cpu" else "torch.cuda.max_memory_allocated")),
         "peak_memory_bytes": int(peak_mem),
         "modules": modules, "optimizer": optim, "data": data_costs(w, metas, load_t, coll_t),
-        "comm": comm_result, "elapsed_s": elapsed,
+        "comm": comm_result, "gemm": gemm, "elapsed_s": elapsed,
     }
 
 
@@ -172,6 +179,9 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process gloo measurement")
+    p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
+    p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "
+                   "(default: bench.profile.gemm.CPU_GRID or CUDA_GRID)")
     p.add_argument("--spec", default=None, help="derive a profile for this PEAK_FLOPS key instead of measuring")
     p.add_argument("--efficiency-from", type=Path, default=None, help="a measured profile whose per-module "
                    "efficiency the derived one uses (default: the simulator's documented defaults)")
@@ -188,6 +198,14 @@ def handle(args, results_path) -> int:
         print("error: --microbatches must be >= 2, --repeats and --threads >= 1", file=sys.stderr)
         return 2
     try:
+        grid = tuple(int(x) for x in args.gemm_grid.split(",") if x.strip())
+    except ValueError:
+        grid = (0,)
+    if any(x < 1 for x in grid) or len(set(grid)) != len(grid) or len(grid) == 1:
+        print(f"error: --gemm-grid wants 2 or more distinct positive integers, got {args.gemm_grid!r}",
+              file=sys.stderr)
+        return 2
+    try:
         if args.spec:
             prof = derive_profile(args.workload, args.spec, args.efficiency_from, args.dtype or "bf16",
                                   args.data_profile)
@@ -197,7 +215,8 @@ def handle(args, results_path) -> int:
                 return 2
             prof = profile_workload(args.workload, data_profile=args.data_profile, device=args.device,
                                     dtype=args.dtype, threads=args.threads, microbatches=args.microbatches,
-                                    repeats=args.repeats, comm=not args.no_comm)
+                                    repeats=args.repeats, comm=not args.no_comm,
+                                    gemm_grid=None if args.no_gemm else grid)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -44,6 +44,16 @@ class Cluster:
     usable_memory_fraction: float = 0.9
     efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     efficiency_source: str = DEFAULT_EFFICIENCY_SOURCE
+    # HBM bandwidth per GPU, the roofline's memory side (bench.sim.gemm). NVIDIA's own pages are
+    # not in our sources: secondary ones citing the datasheet (shared notes, fidelity-facts sec. 6).
+    hbm_bw: float | None = 3.35e12         # bytes/s
+    hbm_bw_source: str = ("H100 SXM5 80 GB HBM3 at 3.35 TB/s: NVIDIA H100 datasheet as cited by secondary sources "
+                          "(glennklockwood.com/garden/processors/h100 citing the Hopper whitepaper; codesota.com)")
+    # How compute time depends on the per-rank GEMM shapes (bench.sim.gemm): "roofline" (per GEMM
+    # max(FLOPs / (peak x efficiency), bytes / hbm_bw)), "table" (a measured GEMM table from a
+    # profile, `gemm_table`), "flat" (FLOPs / (peak x efficiency) whatever the shape).
+    compute_model: str = "roofline"
+    gemm_table: dict | None = None
     # --- measured-hardware extensions (bench/profile/profiler.py); the defaults leave the GPU model as it is.
     # A measured peak (a CPU has no datasheet row): replaces PEAK_FLOPS[gpu][dtype] when set.
     peak_flops_measured: float | None = None
@@ -80,6 +90,11 @@ class Cluster:
             raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
         if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1:
             raise ValueError("compute_slowdown and host_slowdown must be >= 1, value_bytes >= 1")
+        need = {"roofline": "hbm_bw", "table": "gemm_table", "flat": None}
+        if self.compute_model not in need:
+            raise ValueError(f"compute_model {self.compute_model!r}; choose one of {sorted(need)}")
+        if need[self.compute_model] and getattr(self, need[self.compute_model]) is None:
+            raise ValueError(f"compute_model {self.compute_model!r} needs {need[self.compute_model]}")
 
     @property
     def peak_flops(self) -> float:
@@ -126,6 +141,8 @@ class Cluster:
 
     def assumptions(self) -> dict:
         out = asdict(self)
+        if self.gemm_table is not None:       # the table itself is in the profile; name it, not its rows
+            out["gemm_table"] = {k: v for k, v in self.gemm_table.items() if k != "rows"}
         out["peak_flops"] = self.peak_flops
         out["peak_flops_source"] = (self.peak_flops_measured_source if self.peak_flops_measured is not None
                                     else PEAK_FLOPS[self.gpu]["source"] + f" ({self.dtype} dense)")
@@ -135,7 +152,9 @@ class Cluster:
 CLUSTERS = {
     "h100": Cluster(),
     "h200": Cluster(name="h200-ib", gpu="H200", memory_gb=141.0,
-                    memory_source="NVIDIA H200 datasheet: 141 GB HBM3e",
+                    memory_source="NVIDIA H200 datasheet: 141 GB HBM3e", hbm_bw=4.8e12,
+                    hbm_bw_source=("H200 141 GB HBM3e at 4.8 TB/s: NVIDIA H200 datasheet as cited by secondary "
+                                   "sources (aiwiki.ai, lzwjava.github.io)"),
                     intra_node_bw_source="NVIDIA H200 datasheet: NVLink 900 GB/s per GPU (bidirectional) -> 450 GB/s per direction"),
 }
 
@@ -179,7 +198,8 @@ def cpu_cluster(processes: int, cores: int | None = None, profile: dict | None =
                 latency_source=d["source"], memory_gb=_physical_memory_gb(),
                 memory_source="this machine's physical memory", efficiency=dict(d["efficiency"]),
                 efficiency_source=d["source"], peak_flops_measured=d["peak_flops"],
-                peak_flops_measured_source=d["source"], value_bytes=4, overhead_s=dict(d["overhead_s"]))
+                peak_flops_measured_source=d["source"], value_bytes=4, overhead_s=dict(d["overhead_s"]),
+                hbm_bw=None, hbm_bw_source="", compute_model="flat")
     return c.with_slowdown(processes, cores, oversubscription) if oversubscription else c
 
 
@@ -201,11 +221,14 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
     if profile.get("derived") or profile["hardware"].get("device") == "cuda":
         spec = profile["hardware"].get("spec") or profile["hardware"]["key"].upper()
         base = next((c for c in CLUSTERS.values() if c.gpu.lower() == str(spec).lower()), None)
-        if base is None:
-            base = Cluster(name=f"{str(spec).lower()}-ib", gpu=spec)
+        if base is None:                      # no cited HBM bandwidth: the shape-blind model
+            base = Cluster(name=f"{str(spec).lower()}-ib", gpu=spec, hbm_bw=None, hbm_bw_source="",
+                           compute_model="flat")
         eff = {n: min(1.0, float(mods[n]["efficiency"])) for n in MODULES}
         note = profile.get("efficiency_source") or f"measured on one GPU: {where}"
-        return base.with_efficiency(eff, f"{note}; derived={bool(profile.get('derived'))} {src}")
+        out = base.with_efficiency(eff, f"{note}; derived={bool(profile.get('derived'))} {src}")
+        # a GEMM table measured on that GPU replaces the roofline (bench.profile.gemm)
+        return replace(out, compute_model="table", gemm_table=profile["gemm"]) if profile.get("gemm") else out
     peak = float(profile["peak_flops"])
     eff = {n: max(1e-6, min(4.0, float(mods[n]["rate_flops"]) / peak)) for n in MODULES}
     comm = profile.get("comm") or {}
@@ -234,6 +257,8 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         peak_flops_measured=peak, peak_flops_measured_source=profile.get("peak_flops_source", where),
         value_bytes=2 if profile.get("dtype") == "bf16" else 4,
         overhead_s={n: float(mods[n].get("overhead_s", 0.0)) for n in MODULES},
+        # bench validate pins this fit of whole microbatches; the profile's GEMM table is not used here
+        hbm_bw=None, hbm_bw_source="", compute_model="flat",
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
                            for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),

@@ -1,17 +1,26 @@
 """Analytical cost model: time of a module's work on a GPU group, and memory per GPU.
 
-Compute. time = FLOPs / (TP x peak x efficiency[module]); FLOPs from workloads.flops (real
-patches and tokens, training = 3 x forward; forward is 1/3 of the time, backward 2/3).
+Compute. time = FLOPs / (TP x peak x efficiency); FLOPs from workloads.flops (real patches and
+tokens, training = 3 x forward; forward is 1/3 of the time, backward 2/3). The efficiency
+depends on the shape of each layer's per-rank GEMMs at that TP and tokens per call
+(bench.sim.gemm, when the caller passes `shape` and `tokens`, as module_fb does): on the GPU
+clusters a roofline per GEMM, max(FLOPs / (peak x efficiency[module]), bytes / HBM bandwidth),
+so narrow layers split over many ranks pay where their GEMMs turn memory-bound; with a GEMM
+table measured on a GPU, that table's slowdown of the TP-t GEMMs; on the measured CPU
+clusters (compute_model "flat") efficiency[module] whatever the shape.
 Full activation recomputation adds one more forward (time only; MFU never counts it).
-Tensor parallelism (Megatron with sequence parallelism): per layer 2 all-reduce-equivalents
+Tensor parallelism: per layer 2 all-reduce-equivalents
 of tokens x hidden x 2 bytes in forward and 2 in backward (+2 when recomputing), each a
 ring: 2 (t - 1) / t x bytes / bw + 2 (t - 1) x latency; NVLink inside a node, InfiniBand when
-the group spans nodes. Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
+the group spans nodes. Sequence parallelism turns each all-reduce into a reduce-scatter plus
+an all-gather, the same ring volume and latency count (ring_allreduce = 2 x ring_shard), so
+TP time is the same with or without it; it changes memory (activation_bytes). Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
 direction (scatter-gather over the TP ranks), a delay on the dependency edge.
 Data parallelism: at the end of the iteration each module's gradients are reduce-scattered
 and its parameters all-gathered (distributed optimizer / ZeRO-1,2: 2 bytes each, the same
-volume as one all-reduce), not overlapped with compute. ZeRO-3 instead gathers parameters
-for forward and backward and reduce-scatters gradients every microbatch.
+volume as one all-reduce), not overlapped with compute unless the system's layout says so
+(bench.sim.overlap: bucketed, hidden behind backward / forward). ZeRO-3 instead gathers
+parameters for forward and backward and reduce-scatters gradients every microbatch.
 Optimizer step, norms, embeddings lookups and kernel launch gaps are not modelled.
 
 Measured-hardware clusters (bench.sim.cluster.cluster_from_profile; all off by default):
@@ -34,7 +43,8 @@ recompute of the attention core), redone for each module's own layer (bf16 value
 masks of 1 byte kept): attention 2h (QKV input) + 2h (Q) + 2h g/a (K) + 2h g/a (V) + 2h
 (output projection input) + h (mask); MLP 2h (input) + 4f (SwiGLU: the fused gate/up output)
 or 2f (GELU input) + 2f (down-projection input) + h (mask); two norms 4h. Total
-14h + 4h g/a + 6f (SwiGLU) or 4f (GELU), / TP; a GELU layer with MHA and f = 4h gives the
+14h + 4h g/a + 6f (SwiGLU) or 4f (GELU), / TP with sequence parallelism; without it the
+non-TP regions' 10h stays whole on every TP rank. A GELU layer with MHA and f = 4h gives the
 paper's 34h. Full recompute keeps each layer's bf16 input (2h) plus one layer's activations.
 The backbone's last stage holds fp32 logits, 4 x tokens x vocab / TP, for one microbatch.
 """
@@ -46,12 +56,14 @@ from functools import lru_cache
 import numpy as np
 
 from bench.sim.cluster import Cluster
+from bench.sim.gemm import shape_efficiency
 from workloads import flops as F
 from workloads.presets import Workload
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
 ACT_BYTES = 34           # per token and hidden unit of a GELU + MHA layer (Korthikanti et al. 2022)
 ACT_BYTES_FULL_RECOMPUTE = 2
+NON_TP_ACT_BYTES = 10    # per token and hidden unit: what sequence parallelism splits over TP (same paper)
 LOGIT_BYTES = 4
 
 
@@ -84,6 +96,10 @@ class ModuleShape:
     layer_params: int    # one transformer layer (backbone: embeddings excluded)
     ffn: int = 0         # MLP width
     gated: bool = False  # SwiGLU (gate and up projections) rather than GELU
+    # Tokens one attention runs over (bench.sim.gemm): the backbone's packed sequence; for the
+    # encoder / generator the largest image's (the call's tokens when fewer), optimistic for calls
+    # of small images, whose attention is shorter.
+    seq: int = 0
 
     @property
     def activation_bytes_per_token(self) -> float:
@@ -97,13 +113,16 @@ def module_shapes(w: Workload) -> dict[str, ModuleShape]:
     p = F.parameter_counts(w)
     e, b, g = w.encoder, w.backbone, w.generator
     emb = b.vocab_size * b.hidden_size
+    # the ViT attends over an image's patches (before pixel shuffle), the DiT over latents + conditions
+    e_seq, g_seq = w.image_patches(max(e.resolutions)), w.latent_tokens(max(g.resolutions)) + g.num_cond_tokens
     return {
         "encoder": ModuleShape(e.num_layers, e.hidden_size, e.num_attention_heads, e.num_attention_heads,
-                               p["encoder"], p["encoder"] // e.num_layers, e.ffn_hidden_size, False),
+                               p["encoder"], p["encoder"] // e.num_layers, e.ffn_hidden_size, False, e_seq),
         "backbone": ModuleShape(b.num_layers, b.hidden_size, b.num_attention_heads, b.num_query_groups,
-                                p["backbone"], (p["backbone"] - 2 * emb) // b.num_layers, b.ffn_hidden_size, True),
+                                p["backbone"], (p["backbone"] - 2 * emb) // b.num_layers, b.ffn_hidden_size, True,
+                                b.seq_length),
         "generator": ModuleShape(g.num_layers, g.hidden_size, g.num_attention_heads, g.num_attention_heads,
-                                 p["generator"], p["generator"] // g.num_layers, g.ffn_hidden_size, False),
+                                 p["generator"], p["generator"] // g.num_layers, g.ffn_hidden_size, False, g_seq),
     }
 
 
@@ -161,11 +180,21 @@ def batch_costs(w: Workload, metas) -> BatchCosts:
                       ga[:, 0].astype(np.int64), len(metas))
 
 
-def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False, calls=None):
+def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False, calls=None, *,
+               shape: ModuleShape | None = None, tokens=None):
     """(forward, backward) compute seconds of `flops` training FLOPs on a TP group; `calls`:
-    module invocations (per-call overhead), default one wherever there is work."""
+    module invocations (per-call overhead), default one wherever there is work. With the
+    module's `shape` and `tokens` (per element of `flops`), the efficiency is the shape
+    efficiency of the cluster's GEMM model at tokens / calls per call (bench.sim.gemm);
+    without them, or on a flat-model cluster, the per-module efficiency."""
     flops = np.asarray(flops, dtype=np.float64)
-    t = flops / (tp * cluster.peak_flops * cluster.efficiency[module])
+    if shape is not None and tokens is not None and cluster.compute_model != "flat":
+        per_call = np.asarray(tokens, dtype=np.float64) / (1.0 if calls is None else
+                                                           np.maximum(np.asarray(calls, dtype=np.float64), 1.0))
+        eff = shape_efficiency(cluster, module, shape, tp, per_call)
+    else:
+        eff = cluster.efficiency[module]
+    t = flops / (tp * cluster.peak_flops * eff)
     over = cluster.overhead_s.get(module, 0.0)
     if over:
         t = t + over * (np.where(flops > 0, 1.0, 0.0) if calls is None else np.asarray(calls, dtype=np.float64))
@@ -191,7 +220,7 @@ def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, reco
 
 def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: int, cluster: Cluster,
               recompute: bool = False, calls=None):
-    cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls)
+    cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls, shape=shape, tokens=tokens)
     mf, mb = tp_comm_fb(tokens, shape.hidden, layers, tp, cluster, recompute, calls)
     return cf + mf, cb + mb
 
@@ -206,18 +235,24 @@ def p2p_time(tokens, hidden: int, tp, cluster: Cluster, spans_nodes):
 
 
 def dp_sync_time(params_per_gpu, dp, spans_nodes, cluster: Cluster):
-    """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16); with a measured
-    reduce-scatter / all-gather (cluster.host["dp_sync"], CPU profiles) each at its own speed."""
+    """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16), not overlapped."""
+    rs, ag = dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster)
+    return rs + ag
+
+
+def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster):
+    """(gradient reduce-scatter, parameter all-gather) seconds, each a ring over dp (together one
+    all-reduce's volume); with a measured reduce-scatter / all-gather (cluster.host["dp_sync"],
+    CPU profiles) each at its own speed. bench.sim.overlap says how much of each hides."""
+    nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
     measured = (cluster.host or {}).get("dp_sync")
     if measured:
-        nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
         rs, ag = measured["reduce_scatter"], measured["all_gather"]
         # gloo reduces and copies on the CPU: processes sharing cores slow it down like host work
-        return cluster.host_slowdown * (ring_shard(nbytes, dp, rs["bandwidth_Bps"], rs["latency_s"])
-                                        + ring_shard(nbytes, dp, ag["bandwidth_Bps"], ag["latency_s"]))
+        return (cluster.host_slowdown * ring_shard(nbytes, dp, rs["bandwidth_Bps"], rs["latency_s"]),
+                cluster.host_slowdown * ring_shard(nbytes, dp, ag["bandwidth_Bps"], ag["latency_s"]))
     bw, lat = link(cluster, spans_nodes)
-    return ring_allreduce(np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes),
-                          dp, bw, lat)
+    return ring_shard(nbytes, dp, bw, lat), ring_shard(nbytes, dp, bw, lat)
 
 
 def zero3_microbatch_comm(params, dp, spans_nodes, cluster: Cluster):
@@ -243,13 +278,19 @@ def distributed_optimizer_bytes(params, dp, value_bytes: int = WEIGHT_BYTES):
     return params * (6 + 12 / np.asarray(dp, dtype=np.float64))
 
 
-def activation_bytes(tokens, shape: ModuleShape, layers: int, tp: int, recompute: bool = False):
-    """Saved activations of `layers` layers of `shape` for `tokens` tokens on one TP rank."""
+def activation_bytes(tokens, shape: ModuleShape, layers: int, tp: int, recompute: bool = False, sp: bool = True):
+    """Saved activations of `layers` layers of `shape` for `tokens` tokens on one TP rank.
+    sp=False (TP without sequence parallelism): the non-TP regions' 10h per token (two norm
+    inputs 4h, the QKV and MLP inputs 4h, two dropout masks 2h) and the stored layer inputs of
+    full recomputation are whole on every TP rank (Korthikanti et al. 2022, sec. 4.2)."""
     tokens = np.asarray(tokens, dtype=np.float64)
-    one_layer = shape.activation_bytes_per_token
+    h, one_layer = shape.hidden, shape.activation_bytes_per_token
+    whole = 0.0 if sp or tp == 1 else 1.0                  # share of the non-TP part each rank keeps whole
+    layer = (one_layer - whole * NON_TP_ACT_BYTES * h) / tp + whole * NON_TP_ACT_BYTES * h
     if recompute:
-        return tokens * (ACT_BYTES_FULL_RECOMPUTE * shape.hidden * layers + one_layer) / tp
-    return tokens * one_layer * layers / tp
+        kept = ACT_BYTES_FULL_RECOMPUTE * h * layers
+        return tokens * (kept / (1 if whole else tp) + layer)
+    return tokens * layer * layers
 
 
 def logits_bytes(w: Workload, samples: int, tp: int) -> float:

@@ -6,6 +6,8 @@ without importing bench/ (systems/ sits below bench/ in the layers). Nothing her
 
     kit.costs      bench.sim.costs: compute, TP/PP/DP communication, memory, host costs
     kit.schedule   bench.sim.schedule: exact 1F1B, shared-core 1F1B, closed-form estimate
+    kit.interleaved bench.sim.interleaved: exact interleaved 1F1B (virtual stages), its estimate
+    kit.overlap    bench.sim.overlap: DP communication hidden behind compute (bucketed)
     kit.host       bench.sim.host: module calls, preprocessing, processes sharing cores
     kit.batch      bench.sim.batch: sample-to-rank assignment helpers
     kit.estimate   bench.sim.estimate: batch statistics and backbone pipelines for searches
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
-from bench.sim import batch, costs, estimate, host, schedule
+from bench.sim import batch, costs, estimate, host, interleaved, overlap, schedule
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,5 @@ class Kit:
     host: ModuleType = host
     batch: ModuleType = batch
     estimate: ModuleType = estimate
+    interleaved: ModuleType = interleaved
+    overlap: ModuleType = overlap

@@ -34,6 +34,17 @@ ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 
 
+def _overlap_comm(options, stage: int) -> bool:
+    """overlap_comm as DeepSpeed resolves it: unset (None) is on for ZeRO-3 only
+    (deepspeed/runtime/zero/config.py, `overlap_comm_valid`)."""
+    value = options.get("overlap_comm")
+    if isinstance(value, str) and value.lower() in ("true", "false"):   # `--set overlap_comm=true`
+        value = value.lower() == "true"
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"overlap_comm={value!r}: give true, false, or leave it unset (DeepSpeed's default)")
+    return stage == 3 if value is None else value
+
+
 def _zero_stage(options) -> int:
     value = options.get("zero_stage", 1)
     if isinstance(value, bool) or not isinstance(value, int) or value not in ZERO_STAGES:
@@ -42,10 +53,10 @@ def _zero_stage(options) -> int:
 
 
 def ds_config(*, zero_stage: int, global_batch_size: int, micro_batch_size: int, dp: int,
-              dtype: torch.dtype, clip_grad: float, persistence_threshold: int) -> dict:
+              dtype: torch.dtype, clip_grad: float, persistence_threshold: int, overlap_comm: bool) -> dict:
     """The DeepSpeed config (no "optimizer" entry: the adapter passes a torch AdamW, which
     compiles nothing, where the config's optimizer would build the fused_adam extension)."""
-    zero = {"stage": zero_stage}
+    zero = {"stage": zero_stage, "overlap_comm": overlap_comm}
     if zero_stage == 3:
         zero["stage3_param_persistence_threshold"] = persistence_threshold
     return {
@@ -69,7 +80,10 @@ class DeepSpeedSystem(SystemAdapter):
     # persistence_threshold: ZeRO-3 only; parameters with at most this many elements stay
     # unpartitioned (DeepSpeed's default). 0 partitions every parameter, even in tiny models.
     # dp: 0 = every device; recompute (full activation recomputation) is simulated only.
-    options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD, "dp": 0, "recompute": False}
+    # overlap_comm: None is DeepSpeed's default (on for ZeRO-3 only); the label marks a departure
+    # from it (-ov on ZeRO-1/2, -noov on ZeRO-3).
+    options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD, "dp": 0, "recompute": False,
+               "overlap_comm": None}
     sim_module = "systems.deepspeed.sim"
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
@@ -86,14 +100,18 @@ class DeepSpeedSystem(SystemAdapter):
         if global_batch_size % (micro_batch_size * dp):
             raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size}"
                               f" x dp {dp}; change --nproc, micro_batch_size or global_batch_size")
-        return Layout(label=f"zero{stage}-dp{dp}" + ("-rc" if rc else ""), num_devices=dp,
-                      details={"zero_stage": stage, "dp": dp, "recompute": rc}, module_dp=dict.fromkeys(MODULES, dp))
+        ov = _overlap_comm(options, stage)
+        mark = "" if ov == (stage == 3) else ("-ov" if ov else "-noov")
+        return Layout(label=f"zero{stage}-dp{dp}" + mark + ("-rc" if rc else ""), num_devices=dp,
+                      details={"zero_stage": stage, "dp": dp, "recompute": rc, "overlap_comm": ov},
+                      module_dp=dict.fromkeys(MODULES, dp))
 
     def options_from_label(self, label: str) -> dict:
-        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-rc)?", label.strip())
+        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-ov|-noov)?(-rc)?", label.strip())
         if not m:
-            raise ConfigError(f"deepspeed layout {label!r}: write zeroZ[-dpD][-rc] (e.g. zero3-dp8)")
-        return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[3])}
+            raise ConfigError(f"deepspeed layout {label!r}: write zeroZ[-dpD][-ov|-noov][-rc] (e.g. zero3-dp8)")
+        return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[4]),
+                "overlap_comm": {"-ov": True, "-noov": False}.get(m[3])}
 
     def setup(self, ctx) -> None:
         from systems import mcore
@@ -132,7 +150,8 @@ class DeepSpeedSystem(SystemAdapter):
                                 micro_batch_size=ctx.micro_batch_size, dp=self.dp_size, dtype=ctx.dtype,
                                 clip_grad=optim.clip_grad,
                                 persistence_threshold=ctx.options.get("persistence_threshold",
-                                                                          DEFAULT_PERSISTENCE_THRESHOLD))
+                                                                          DEFAULT_PERSISTENCE_THRESHOLD),
+                                overlap_comm=ctx.layout.details["overlap_comm"])
         self.gas = self.config["gradient_accumulation_steps"]
         if self.stage == 3:
             _make_dynamic_modules_zero3_safe(deepspeed, model)

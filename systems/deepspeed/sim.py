@@ -2,7 +2,16 @@
 
 Every rank holds the whole model (states sharded by ZeRO stage) and runs its samples as
 gradient-accumulation microbatches; ZeRO-3 gathers parameters and reduce-scatters gradients
-every microbatch, the other stages sync once after the last microbatch.
+every microbatch, the other stages sync once after the last microbatch (what the measured
+adapter does: one coalesced reduction per step; stock ZeRO-1 does the same, stock ZeRO-2
+reduces every microbatch). overlap_comm (DeepSpeed's default: ZeRO-3 only) hides, by
+bench.sim.overlap's bucket model, ZeRO-1/2's gradient reduce-scatter behind the last
+microbatch's backward in reduce_bucket_size buckets (the parameter all-gather runs inside
+the optimizer step, exposed), and ZeRO-3's per-microbatch gathers behind that microbatch's
+forward and backward (prefetch buckets of stage3_prefetch_bucket_size, the backward's
+gathers and reduce-scatter priced at reduce_bucket_size). The CPU-sized models fit one
+bucket, so nothing hides there, as measured (the adapter's coalesced reduction follows the
+backward, and DeepSpeed's CPU accelerator has no side streams).
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
     L, w, bc, cluster, mbs = layout.details, step.workload, step.costs, step.cluster, step.micro_batch_size
     dp, z, rc = L["dp"], L["zero_stage"], L["recompute"]
+    ov, O = L.get("overlap_comm", z == 3), kit.overlap
     sh, B, seq = C.module_shapes(w), bc.num_samples, w.backbone.seq_length
     enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
     etok, gtok = bc.per_sample_tokens("encoder"), bc.per_sample_tokens("generator")
@@ -31,27 +41,32 @@ def simulate_step(layout, step, kit) -> StepCost:
     bb_flops = C.backbone_stage(w, 1, 0)[0]
     P = sum(sh[k].params for k in MODULES)
     comm = float(C.zero3_microbatch_comm(P, dp, dp > cluster.gpus_per_node, cluster)) if z == 3 else 0.0
-    times, compute, max_etok, max_gtok = [], [], 0.0, 0.0
+    times, compute, max_etok, max_gtok, last_bwd = [], [], 0.0, 0.0, np.inf
     load, data, chains = host.load_s(bc), 0.0, []
     for mbl in per_rank:
         t, per_mb = 0.0, []
         for mb in mbl:
             one = 0.0
-            for x, k in ((enc[mb].sum(), "encoder"), (bb_flops * len(mb), "backbone"), (gen[mb].sum(), "generator")):
+            for x, k, tok in ((enc[mb].sum(), "encoder", etok[mb].sum()), (bb_flops * len(mb), "backbone",
+                               seq * len(mb)), (gen[mb].sum(), "generator", gtok[mb].sum())):
                 calls = None if k == "backbone" or not host.measured(cluster) else bc.groups(k, mb)
-                one += float(sum(C.compute_fb(x, k, 1, cluster, rc, calls)))
+                one += float(sum(C.compute_fb(x, k, 1, cluster, rc, calls, shape=sh[k], tokens=tok)))
             per_mb.append(one)
             t += one
             max_etok, max_gtok = max(max_etok, etok[mb].sum()), max(max_gtok, gtok[mb].sum())
         compute.append(t)
-        times.append(t + len(mbl) * comm)
+        mb_comm = [_zero3_exposed(O, comm, one, P, ov) for one in per_mb]
+        times.append(t + sum(mb_comm))
+        last_bwd = min(last_bwd, 2 * per_mb[-1] / 3)
         data = max(data, C.data_time(load, [i for mb in mbl for i in mb], len(mbl), cluster))
-        work = np.array(per_mb)[:, None] + comm
+        work = (np.array(per_mb) + np.array(mb_comm))[:, None]
         chains.append(schedule.Chain(work / 3, 2 * work / 3))
     pipe = max(times)
     if cluster.shared_cores:                 # ranks that finish early free their core for the others
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores)[0]
-    sync = 0.0 if z == 3 else float(C.dp_sync_time(P, dp, dp > cluster.gpus_per_node, cluster))
+    sync = 0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
+                                        bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
+                                        gather_overlaps=False)
     act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
            + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
            + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)
@@ -62,6 +77,16 @@ def simulate_step(layout, step, kit) -> StepCost:
     return StepCost(pipe, sync + host_s, sum(compute), float(C.state_bytes(P, dp, z) + act), dp, first)
 
 
+def _zero3_exposed(O, comm: float, compute: float, params: float, overlap: bool) -> float:
+    """ZeRO-3's per-microbatch comm (all-gather for forward, all-gather + reduce-scatter in
+    backward, a third each) left exposed by overlap_comm; all of it without."""
+    if not overlap or comm == 0.0:
+        return comm
+    prefetch = O.num_buckets(params, O.DEEPSPEED_PREFETCH_PARAMS)
+    return (O.exposed(comm / 3, compute / 3, prefetch)
+            + O.exposed(2 * comm / 3, 2 * compute / 3, O.num_buckets(params, O.DEEPSPEED_BUCKET_PARAMS)))
+
+
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
     """The ZeRO stage (and, simulated, recompute setting) that fits and simulates fastest. DP is
     every device (exact), or the most devices whose count divides the global batch in
@@ -70,11 +95,11 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     dp = num_devices if exact else max(d for d in range(1, min(num_devices, microbatches) + 1) if microbatches % d == 0)
     best = None
     for z, rc in product((1, 2, 3), (False,) if exact else (False, True)):
-        options = {"zero_stage": z, "dp": dp, "recompute": rc}
+        options = {"zero_stage": z, "dp": dp, "recompute": rc, "overlap_comm": True}
         r = kit.simulate(w, "deepspeed", options, num_devices, cluster, seed=seed, num_batches=1,
                          global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
         if r["feasible"] and (best is None or r["iteration_time_s"] < best["estimate_s"]):
             best = {"options": options, "estimate_s": r["iteration_time_s"]}
     if best is not None:
-        best["search"] = "ZeRO stages 1-3 (and recompute) each simulated on one batch"
+        best["search"] = "ZeRO stages 1-3 (and recompute) with overlap_comm, each simulated on one batch"
     return best

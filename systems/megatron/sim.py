@@ -4,6 +4,14 @@ Every DP replica is a pipeline of `pp` backbone stages; the encoder runs in stag
 generator in the last stage, all at the same TP. With the simulator's own reordering samples
 are balanced over replicas (workloads.reorder) and microbatches ordered when the exact 1F1B
 schedule agrees; with the trainers' order (validation) exactly their assignment is priced.
+With vpp > 1 each device holds vpp chunks of pp x vpp virtual stages (encoder in the first,
+generator in the last) under the exact interleaved schedule (bench.sim.interleaved), in the
+drawn microbatch order; on shared-core (CPU) clusters a device's chunks are priced as one plain
+1F1B stage. sp splits the backbone's non-TP activations over TP (the encoder and generator keep
+theirs, as the measured runs do). overlap hides each device's DP reduce-scatter behind its last
+microbatch's backward and its all-gather behind its first forward (bench.sim.overlap; with
+interleaving the whole device's backward, where megatron starts each chunk's sync after that
+chunk's last backward), the slowest replica's compute being what it can hide behind.
 """
 from __future__ import annotations
 
@@ -28,12 +36,14 @@ def simulate_step(layout, step, kit) -> StepCost:
     else:
         groups = intra_microbatch_assign(sc, dp, B // dp) if step.reorder else batch.chunks(range(B), dp)
         per_rank, order = batch.split(sc, groups, mbs, step.reorder), step.reorder
-    seq = w.backbone.seq_length
-    stages = [C.backbone_stage(w, pp, s) for s in range(pp)]
-    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc) for f, _, n in stages]
-    links = [float(C.p2p_time(mbs * seq, sh["backbone"].hidden, tp, cluster, tp * dp >= gpn))] * (pp - 1)
+    seq, sp, vpp, ov = w.backbone.seq_length, L.get("sp", False), L.get("vpp", 1), L.get("overlap", False)
+    V = pp * vpp                     # virtual stages: chunk c of device s is c x pp + s
+    vst = [C.backbone_stage(w, V, k) for k in range(V)]
+    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc) for f, _, n in vst]
+    links = [float(C.p2p_time(mbs * seq, sh["backbone"].hidden, tp, cluster, tp * dp >= gpn))] * (V - 1)
     pipe, busy, first = 0.0, 0.0, None
     max_etok = max_gtok = 0.0
+    hide_f, hide_b = np.full(pp, np.inf), np.full(pp, np.inf)     # compute DP comm can hide behind
     load, data, chains = host.load_s(bc), 0.0, []
     for mbl in per_rank:
         e_f, e_b = C.module_fb([enc[m].sum() for m in mbl], [etok[m].sum() for m in mbl], "encoder",
@@ -45,9 +55,15 @@ def simulate_step(layout, step, kit) -> StepCost:
         fwd = np.array([[f for f, _ in bb]] * len(mbl), dtype=np.float64)
         bwd = np.array([[b for _, b in bb]] * len(mbl), dtype=np.float64)
         fwd[:, 0] += e_f; bwd[:, 0] += e_b; fwd[:, -1] += g_f; bwd[:, -1] += g_b
-        fwd, bwd, res = schedule.order_microbatches(fwd, bwd, links, order)
+        if vpp == 1:
+            fwd, bwd, res = schedule.order_microbatches(fwd, bwd, links, order)
+        else:                                # megatron-core's interleaved order, microbatches as assigned
+            res = kit.interleaved.interleaved_1f1b(fwd, bwd, links, vpp)
+        dev_f, dev_b = _per_device(fwd, pp), _per_device(bwd, pp)
         pipe, busy = max(pipe, res.iteration_time), busy + tp * float(fwd.sum() + bwd.sum())
-        chains.append(schedule.Chain(fwd, bwd, links, np.full_like(fwd, tp), np.full_like(bwd, tp)))
+        hide_f, hide_b = np.minimum(hide_f, dev_f[0]), np.minimum(hide_b, dev_b[-1])
+        # Shared cores price a device's chunks as one plain-1F1B stage (no interleaved order there).
+        chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], np.full_like(dev_f, tp), np.full_like(dev_b, tp)))
         max_etok = max(max_etok, max(etok[m].sum() for m in mbl))
         max_gtok = max(max_gtok, max(gtok[m].sum() for m in mbl))
         first = first or [[float(enc[m].sum()), len(m) * C.backbone_stage(w, 1, 0)[0], float(gen[m].sum())]
@@ -58,54 +74,78 @@ def simulate_step(layout, step, kit) -> StepCost:
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores)[0]
     m = B // dp // mbs
     mem, sync, opt = [], [], []
-    for s, (_, params, n) in enumerate(stages):
-        p = params + (sh["encoder"].params if s == 0 else 0) + (sh["generator"].params if s == pp - 1 else 0)
-        a = min(pp - s, m) * C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc)
-        if s == 0:
-            a += min(pp, m) * C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, tp, rc)
-        if s == pp - 1:
-            a += C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, tp, rc)
-            a += C.logits_bytes(w, mbs, tp)
-        mem.append(C.distributed_optimizer_bytes(p / tp, dp, cluster.value_bytes) + a)
-        sync.append(float(C.dp_sync_time(p / tp, dp, tp * dp > gpn, cluster)))
+    for s in range(pp):
+        p, chunk = 0.0, []
+        for k in range(s, V, pp):            # this device's chunks
+            _, params, n = vst[k]
+            a = C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc, sp)
+            if k == 0:                       # SP is the backbone's only (systems/megatron/layout.py)
+                p += sh["encoder"].params
+                a += C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, tp, rc, sp=False)
+            if k == V - 1:
+                p += sh["generator"].params
+                a += C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, tp, rc, sp=False)
+            p, chunk = p + params, chunk + [a]
+        act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0)
+        mem.append(C.distributed_optimizer_bytes(p / tp, dp, cluster.value_bytes) + act)
+        sync.append(_dp_sync(kit, p / tp, dp, tp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
         opt.append(C.optimizer_time(p / tp / dp, cluster))     # distributed optimizer: a 1/dp shard
     host_s = data + max(opt) + C.harness_time(tp * pp * dp, cluster)
     return StepCost(pipe, max(sync) + host_s, busy, max(mem), tp * pp * dp, first)
 
 
-def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool) -> float:
+def _per_device(x, pp: int):
+    """[m, pp x vpp] per virtual stage -> [m, pp]: each device's chunks summed."""
+    return x.reshape(x.shape[0], -1, pp).sum(1)
+
+
+def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> float:
+    """Megatron's DP sync of one device; with overlap its reduce-scatter hides behind the last
+    microbatch's backward and its all-gather behind the first forward (bench.sim.overlap)."""
+    O = kit.overlap
+    return O.dp_sync(params, dp, spans, cluster, overlap=overlap, bucket_params=O.megatron_bucket_params(dp),
+                     forward_s=float(forward_s), backward_s=float(backward_s))
+
+
+def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool, sp: bool = False, vpp: int = 1,
+             overlap: bool = False) -> float:
     """Closed-form iteration estimate of one layout (identical microbatches of mean work);
-    inf if a stage does not fit in memory."""
-    C = kit.costs
-    bp = kit.estimate.backbone_pipeline(w, st, cluster, tp, pp, dp, rc, 0)
-    t, sync = bp.stage_s.copy(), bp.sync_s
-    sh = C.module_shapes(w)
-    extra = {}
-    for key, s in (("encoder", 0), ("generator", pp - 1)):
-        fl, tk = st.mbs * st.flops[key], st.mbs * st.tokens[key]
-        t[s] += float(sum(C.module_fb(fl, tk, key, sh[key], sh[key].layers, tp, cluster, rc)))
-        inflight = min(pp, bp.num_microbatches) if key == "encoder" else 1
-        states = C.distributed_optimizer_bytes(sh[key].params / tp, dp, cluster.value_bytes)
-        tokens = max(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
-        extra[s] = extra.get(s, 0.0) + states + inflight * C.activation_bytes(tokens, sh[key], sh[key].layers, tp, rc)
-        sync = max(sync, float(C.dp_sync_time((sh[key].params + C.backbone_stage(w, pp, s)[1]) / tp, dp,
-                                              tp * dp > cluster.gpus_per_node, cluster)))
-    if not bp.fits:
+    inf if a device does not fit in memory or the interleaved schedule cannot run."""
+    C, I = kit.costs, kit.interleaved
+    sh, seq, gpn = C.module_shapes(w), w.backbone.seq_length, cluster.gpus_per_node
+    m, V = st.B // (dp * st.mbs), pp * vpp
+    if vpp > 1 and (pp == 1 or m % pp):
         return float("inf")
-    for s, add in extra.items():   # recheck the two stages that carry encoder / generator
-        _, params, n = C.backbone_stage(w, pp, s)
-        base = (C.distributed_optimizer_bytes(params / tp, dp, cluster.value_bytes)
-                + min(pp - s, bp.num_microbatches) * C.activation_bytes(st.mbs * w.backbone.seq_length, sh["backbone"],
-                                                                        n, tp, rc)
-                + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
-        if base + add > cluster.memory_bytes:
+    t_f, t_b, params = np.zeros(pp), np.zeros(pp), np.zeros(pp)
+    chunk = np.zeros((pp, vpp))
+    for k in range(V):
+        s, c = k % pp, k // pp
+        f, p, n = C.backbone_stage(w, V, k)
+        bf, bb = C.module_fb(st.mbs * f, st.mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc)
+        t_f[s], t_b[s], params[s] = t_f[s] + bf, t_b[s] + bb, params[s] + p
+        chunk[s, c] = C.activation_bytes(st.mbs * seq, sh["backbone"], n, tp, rc, sp)
+    for key, k in (("encoder", 0), ("generator", V - 1)):
+        s, c = k % pp, k // pp
+        fl, tk = st.mbs * st.flops[key], st.mbs * st.tokens[key]
+        ef, eb = C.module_fb(fl, tk, key, sh[key], sh[key].layers, tp, cluster, rc)
+        t_f[s], t_b[s], params[s] = t_f[s] + ef, t_b[s] + eb, params[s] + sh[key].params
+        tokens = max(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
+        chunk[s, c] += C.activation_bytes(tokens, sh[key], sh[key].layers, tp, rc, sp=False)
+    for s in range(pp):
+        mem = (C.distributed_optimizer_bytes(params[s] / tp, dp, cluster.value_bytes)
+               + I.peak_activations(s, pp, vpp, m, chunk[s]) + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
+        if mem > cluster.memory_bytes:
             return float("inf")
-    return kit.schedule.estimate_1f1b(t, bp.links, bp.num_microbatches) + sync
+    link = float(C.p2p_time(st.mbs * seq, sh["backbone"].hidden, tp, cluster, tp * dp >= gpn)) if pp > 1 else 0.0
+    sync = max(_dp_sync(kit, params[s] / tp, dp, tp * dp > gpn, cluster, overlap, t_f[s], t_b[s]) for s in range(pp))
+    return I.estimate(t_f + t_b, link, m, vpp) + sync
 
 
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
            recompute=(False, True)) -> dict | None:
-    """The best single (tp, pp, dp) layout by the estimate: a fair monolithic baseline.
+    """The best single (tp, pp, dp, vpp) layout by the estimate: a fair monolithic baseline, with
+    what practitioners turn on: sequence parallelism whenever TP > 1 (it only saves memory here),
+    DP communication overlap, and every interleaving vpp that divides a stage's layers.
     exact: every device used (dp = num_devices / (tp * pp)), no recomputation (what runs)."""
     C = kit.costs
     st = kit.estimate.work_stats(w, global_batch_size, micro_batch_size, seed)
@@ -115,10 +155,14 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     for rc, tp, pp, dp in product((False,) if exact else recompute, C.tp_choices(cluster.gpus_per_node, *heads),
                                   C.divisors(w.backbone.num_layers), C.divisors(st.B // st.mbs)):
         used = tp * pp * dp
-        if used == num_devices or (not exact and used < num_devices):
-            v = estimate(w, st, cluster, kit, tp, pp, dp, rc)
+        if used != num_devices and (exact or used > num_devices):
+            continue
+        for vpp in C.divisors(w.backbone.num_layers // pp) if pp > 1 else (1,):
+            v = estimate(w, st, cluster, kit, tp, pp, dp, rc, sp=tp > 1, vpp=vpp, overlap=True)
             if np.isfinite(v) and (best is None or v < best["estimate_s"]):
-                best = {"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc}, "estimate_s": v}
+                best = {"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": tp > 1, "vpp": vpp,
+                                    "overlap": True}, "estimate_s": v}
     if best is not None:
-        best["search"] = "every (tp, pp, dp, recompute) ranked by the closed-form 1F1B estimate"
+        best["search"] = ("every (tp, pp, dp, vpp, recompute) with sequence parallelism (TP > 1) and DP overlap, "
+                          "ranked by the closed-form (interleaved) 1F1B estimate")
     return best

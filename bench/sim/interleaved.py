@@ -1,0 +1,106 @@
+"""Interleaved 1F1B (virtual pipeline stages): Megatron's schedule with vpp > 1, exactly.
+
+Narayanan et al. 2021 (arXiv 2104.04473, sec. 2.2): each of the p devices holds v model
+chunks; chunk c of device s is virtual stage k = c p + s of V = p v. A microbatch's forward
+visits the virtual stages 0..V-1 in order, with a transfer at every boundary (V - 1 links, v
+times plain 1F1B's p - 1 per direction), its backward the reverse. Each device runs its
+operations in megatron-core 0.16.1's order (pipeline_parallel/schedules.py,
+`get_schedule_table` and `get_pp_rank_microbatches`, microbatch groups of p): forward virtual
+microbatch i is chunk (i // p) % v of microbatch (i // (p v)) p + i % p, backward i the same with
+chunk v - 1 - (i // p) % v; (p - s - 1) 2 + (v - 1) p warm-up forwards (all of them if that
+covers m v), then pairs (next forward, oldest backward), then the remaining backwards. Needs m
+a multiple of p, as megatron-core does. An operation starts when its device is free and its
+input exists (same recurrence as bench.sim.schedule.one_f_one_b, which this equals at v = 1).
+Equal chunks of t / v per microbatch give (m + (p - 1) / v) t: the bubble shrinks from
+(p - 1) / m to (p - 1) / (v m) of the compute.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from bench.sim.schedule import ScheduleResult, bubble_fraction
+
+
+def device_ops(s: int, p: int, v: int, m: int) -> list[tuple[int, int, int]]:
+    """(kind, chunk, microbatch) in execution order on device s; kind 0 = forward, 1 = backward."""
+    if v > 1 and m % p:
+        raise ValueError(f"interleaved 1F1B needs microbatches ({m}) a multiple of the stages ({p})")
+    total = m * v
+
+    def op(i: int, kind: int) -> tuple[int, int, int]:
+        c = (i // p) % v
+        return kind, (v - 1 - c if kind else c), (i // (p * v)) * p + i % p
+
+    # v = 1: the non-interleaved schedule's p - s - 1 (bench.sim.schedule.stage_ops).
+    warm = min(total, p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p)
+    ops = [op(i, 0) for i in range(warm)]
+    for i in range(total - warm):
+        ops += [op(warm + i, 0), op(i, 1)]
+    return ops + [op(i, 1) for i in range(total - warm, total)]
+
+
+def interleaved_1f1b(fwd, bwd, links, v: int, weights=None) -> ScheduleResult:
+    """fwd, bwd: [m, p v] durations per virtual stage; links: p v - 1 transfer delays (or None).
+    Busy, stage_end and the bubble are per device (p of them)."""
+    fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
+    m, V = fwd.shape
+    if V % v or bwd.shape != fwd.shape:
+        raise ValueError(f"fwd and bwd must both be [m, p x {v}]; got {fwd.shape} and {bwd.shape}")
+    p = V // v
+    link = [0.0] * (V - 1) if links is None else [float(x) for x in links]
+    if len(link) != V - 1:
+        raise ValueError(f"links needs {V - 1} entries, got {len(link)}")
+    f, b = fwd.tolist(), bwd.tolist()
+    f_end, b_end = [[-1.0] * m for _ in range(V)], [[-1.0] * m for _ in range(V)]
+    ops = [device_ops(s, p, v, m) for s in range(p)]
+    ptr, clock, remaining = [0] * p, [0.0] * p, 2 * m * V
+    while remaining:
+        progressed = False
+        for s in range(p):
+            t = clock[s]
+            while ptr[s] < len(ops[s]):
+                kind, c, j = ops[s][ptr[s]]
+                k = c * p + s
+                if kind == 0:
+                    if k and f_end[k - 1][j] < 0:
+                        break
+                    ready = f_end[k - 1][j] + link[k - 1] if k else 0.0
+                    t = max(t, ready) + f[j][k]
+                    f_end[k][j] = t
+                else:
+                    prev = f_end[k][j] if k == V - 1 else b_end[k + 1][j]
+                    if prev < 0:
+                        break
+                    t = max(t, prev + (link[k] if k < V - 1 else 0.0)) + b[j][k]
+                    b_end[k][j] = t
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+            clock[s] = t
+        if not progressed:
+            raise RuntimeError("interleaved 1F1B deadlocked (a bug: megatron's order is deadlock-free)")
+    per_stage = fwd.sum(0) + bwd.sum(0)
+    busy = tuple(float(per_stage[s::p].sum()) for s in range(p))
+    total = max(clock)
+    return ScheduleResult(total, busy, bubble_fraction(busy, total, weights), tuple(clock))
+
+
+def peak_activations(s: int, p: int, v: int, m: int, chunk_bytes) -> float:
+    """The most activation bytes device s holds: forwards whose backward has not run yet,
+    chunk c's microbatch weighing chunk_bytes[c]. v = 1 gives min(p - s, m) microbatches.
+    (device_ops' order, vectorized: searches call this for every candidate layout.)"""
+    w, total = np.asarray(chunk_bytes, dtype=np.float64), m * v
+    warm = min(total, p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p)
+    c = (np.arange(total) // p) % v
+    grow, free = w[c], -w[v - 1 - c]
+    steady = np.stack([grow[warm:], free[:total - warm]], axis=1).ravel()
+    held = np.cumsum(np.concatenate([grow[:warm], steady, free[total - warm:]]))
+    return float(max(held.max(initial=0.0), 0.0))
+
+
+def estimate(stage_fb, link: float, m: int, v: int) -> float:
+    """Closed form for identical microbatches: sum_s t_s / v + (m - 1 / v) max_s t_s + 2 (p v - 1)
+    links (fill and drain cross every virtual boundary), t_s = forward + backward of device s.
+    Exact for equal devices; v = 1 is bench.sim.schedule.estimate_1f1b with equal links."""
+    t = np.asarray(stage_fb, dtype=np.float64)
+    return float(t.sum() / v + (m - 1.0 / v) * t.max() + 2.0 * (len(t) * v - 1) * link)

@@ -1,0 +1,219 @@
+"""The baselines at their strongest (issue #12): sequence parallelism, interleaved pipeline stages
+and DP communication overlap, simulated (pure) and measured (multiprocess, marked)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.config import resolve
+from bench.sim import costs as C
+from bench.sim import interleaved as I
+from bench.sim import overlap as O
+from bench.sim.cluster import get_cluster
+from bench.sim.estimate import work_stats
+from bench.sim.kit import Kit
+from bench.sim.schedule import one_f_one_b
+from bench.sim.simulate import simulate
+from systems.base import ConfigError, get_system
+from systems.megatron import sim as megatron_sim
+from tests.helpers import FAST, assert_parity, losses, run_record
+from workloads.presets import get_workload
+
+H100 = get_cluster("h100")
+KIT = Kit(simulate=simulate)
+
+
+# ---------------------------------------------------------------- overlap (bench.sim.overlap)
+
+def _chain(comm: float, compute: float, n: int) -> float:
+    """Event by event: bucket i ready at (i + 1) / n of the compute, buckets sent one at a time."""
+    end = 0.0
+    for i in range(n):
+        end = max(end, (i + 1) * compute / n) + comm / n
+    return end - compute
+
+
+@pytest.mark.parametrize("comm, compute, n, by_hand", [
+    (8.0, 4.0, 4, 3.0 + 2.0),     # comm-bound: 3/4 x (8 - 4) exposed, plus the last bucket's 2
+    (2.0, 4.0, 4, 0.5),           # compute-bound: only the last bucket (2 / 4)
+    (3.0, 9.0, 1, 3.0),           # one bucket hides nothing
+])
+def test_exposed_comm_by_hand(comm, compute, n, by_hand):
+    assert O.exposed(comm, compute, n) == pytest.approx(by_hand)
+    assert O.exposed(comm, compute, n) == pytest.approx(_chain(comm, compute, n))
+
+
+def test_overlap_never_slower_than_no_overlap():
+    rng = np.random.default_rng(0)
+    for comm, compute, n in zip(rng.random(200) * 10, rng.random(200) * 10, rng.integers(1, 50, 200)):
+        assert O.exposed(comm, compute, n) <= comm + 1e-12
+        assert O.exposed(comm, compute, n) == pytest.approx(_chain(comm, compute, int(n)))
+    for workload, gpus, layout in (("mllm-72b", 512, {"tp": 8, "pp": 4, "dp": 16, "sp": True}),
+                                   ("mllm-9b", 64, {"tp": 2, "pp": 2, "dp": 16})):
+        off = simulate(workload, "megatron", layout, gpus, num_batches=1)["iteration_time_s"]
+        on = simulate(workload, "megatron", {**layout, "overlap": True}, gpus, num_batches=1)["iteration_time_s"]
+        assert on < off
+    for z in (1, 2, 3):
+        times = [simulate("mllm-9b", "deepspeed", {"zero_stage": z, "overlap_comm": ov}, 64, num_batches=1,
+                          global_batch_size=128)["iteration_time_s"] for ov in (False, True)]
+        assert times[1] <= times[0]
+
+
+def test_megatron_dp_sync_with_overlap_by_hand():
+    """1e8 parameters per GPU at dp 8: megatron's bucket is max(4e7, 8e6) = 4e7, so 3 buckets."""
+    params, dp = 1e8, 8
+    assert O.megatron_bucket_params(dp) == 40_000_000 and O.megatron_bucket_params(64) == 64_000_000
+    n = O.num_buckets(params, O.megatron_bucket_params(dp))
+    rs, ag = (3 * float(C.dp_sync_parts(params / 3, dp, True, H100)[i]) for i in (0, 1))
+    f, b = 0.01, 0.02
+    want = max(0.0, 2 / 3 * (rs - b)) + rs / 3 + max(0.0, 2 / 3 * (ag - f)) + ag / 3
+    got = O.dp_sync(params, dp, True, H100, overlap=True, bucket_params=O.megatron_bucket_params(dp),
+                    forward_s=f, backward_s=b)
+    assert n == 3 and got == pytest.approx(want)
+    assert O.dp_sync(params, dp, True, H100, overlap=False, bucket_params=1) == pytest.approx(
+        float(C.dp_sync_time(params, dp, True, H100)))
+
+
+# ---------------------------------------------------------------- sequence parallelism
+
+def test_sequence_parallel_memory_by_hand():
+    # GELU, MHA, f = 4h: 34h per token and layer (Korthikanti et al.), of which 10h outside TP regions
+    shape = C.ModuleShape(layers=2, hidden=100, heads=4, groups=4, params=0, layer_params=0, ffn=400)
+    assert shape.activation_bytes_per_token == 3400
+    tokens, layers, tp = 10, 2, 4
+    assert C.activation_bytes(tokens, shape, layers, tp, sp=True) == pytest.approx(10 * 2 * 3400 / 4)
+    assert C.activation_bytes(tokens, shape, layers, tp, sp=False) == pytest.approx(10 * 2 * (2400 / 4 + 1000))
+    # full recompute keeps each layer's input (2h): split over TP only with SP
+    assert C.activation_bytes(tokens, shape, layers, tp, True, sp=True) == pytest.approx(10 * (2 * 200 + 3400) / 4)
+    assert C.activation_bytes(tokens, shape, layers, tp, True, sp=False) == pytest.approx(
+        10 * (2 * 200 + 2400 / 4 + 1000))
+    assert C.activation_bytes(tokens, shape, layers, 1, sp=False) == C.activation_bytes(tokens, shape, layers, 1)
+
+
+def test_sequence_parallel_same_comm_less_memory():
+    # a ring reduce-scatter + all-gather moves what one ring all-reduce does, with as many latencies
+    for n in (2, 4, 8):
+        assert C.ring_allreduce(1e9, n, 4e11, 1e-6) == pytest.approx(2 * C.ring_shard(1e9, n, 4e11, 1e-6))
+    lay = {"tp": 8, "pp": 4, "dp": 4}
+    off = simulate("mllm-9b", "megatron", lay, 128, num_batches=1)
+    on = simulate("mllm-9b", "megatron", {**lay, "sp": True}, 128, num_batches=1)
+    assert on["iteration_time_s"] == pytest.approx(off["iteration_time_s"])
+    assert on["per_gpu_memory_gib"] < off["per_gpu_memory_gib"]
+
+
+# ---------------------------------------------------------------- interleaved 1F1B
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 6)])
+def test_interleaved_bubble_by_hand(p, v, m):
+    """Equal chunks, t per microbatch and device: (m + (p - 1) / v) t, bubble (p - 1) / v of t."""
+    t = 1.0
+    res = I.interleaved_1f1b(np.full((m, p * v), t / v / 3), np.full((m, p * v), 2 * t / v / 3), None, v)
+    assert res.iteration_time == pytest.approx(m * t + (p - 1) * t / v)
+    assert res.bubble_fraction == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+    assert I.estimate([t] * p, 0.0, m, v) == pytest.approx(res.iteration_time)
+    # device 0 holds p + (p - 1) / v stages' worth of activations (Korthikanti et al. 2022)
+    assert I.peak_activations(0, p, v, m, [1.0 / v] * v) == pytest.approx(p + (p - 1) / v)
+
+
+def test_interleaved_at_one_chunk_is_1f1b():
+    rng = np.random.default_rng(1)
+    for p, m in ((3, 6), (4, 8), (2, 5)):
+        f, b, links = rng.random((m, p)), rng.random((m, p)), rng.random(p - 1)
+        assert I.interleaved_1f1b(f, b, links, 1).iteration_time == pytest.approx(
+            one_f_one_b(f, b, links).iteration_time)
+        assert [I.peak_activations(s, p, 1, m, [1.0]) for s in range(p)] == [min(p - s, m) for s in range(p)]
+
+
+def test_vpp_estimate_close_to_simulation_and_shrinks_bubble():
+    w = get_workload("mllm-9b", "uniform")
+    st = work_stats(w, 64, 1)
+    for tp, pp, dp, vpp in ((2, 4, 2, 2), (8, 4, 1, 4), (2, 2, 4, 4)):
+        lay = {"tp": tp, "pp": pp, "dp": dp, "sp": True, "vpp": vpp, "overlap": True}
+        exact = simulate(w, "megatron", lay, 64, num_batches=1, global_batch_size=64)
+        plain = simulate(w, "megatron", {**lay, "vpp": 1}, 64, num_batches=1, global_batch_size=64)
+        est = megatron_sim.estimate(w, st, H100, KIT, tp, pp, dp, False, sp=True, vpp=vpp, overlap=True)
+        assert est == pytest.approx(exact["iteration_time_s"], rel=0.02)    # exact only for equal devices
+        assert exact["bubble_fraction"] < plain["bubble_fraction"]
+
+
+# ---------------------------------------------------------------- layouts, labels, search
+
+@pytest.mark.parametrize("label, options", [
+    ("tp8-pp10-dp12", {"tp": 8, "pp": 10, "dp": 12, "vpp": 1, "sp": False, "overlap": False, "recompute": False}),
+    ("tp2-pp4-dp8-rc", {"tp": 2, "pp": 4, "dp": 8, "vpp": 1, "sp": False, "overlap": False, "recompute": True}),
+    ("tp8-pp2-dp32-vpp5-sp-ov", {"tp": 8, "pp": 2, "dp": 32, "vpp": 5, "sp": True, "overlap": True,
+                                 "recompute": False}),
+])
+def test_megatron_labels_old_and_new_round_trip(label, options):
+    adapter = get_system("megatron")
+    assert adapter.options_from_label(label) == options
+    w = get_workload("mllm-72b")
+    lay = adapter.layout({**adapter.options, **options}, 1172, w, 960, 1, simulated=True)
+    assert lay.label == label
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"sp": True}, "needs tp > 1"),
+    ({"vpp": 2}, "needs pp > 1"),
+    ({"pp": 2, "vpp": 2}, "does not divide the backbone's 2 layers"),
+    ({"overlap": "yes"}, "overlap="),
+])
+def test_megatron_option_errors(sets, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        resolve("megatron", "tiny", 2, sets)
+    assert "\n" not in str(info.value)
+
+
+def test_vpp_needs_microbatches_divisible_by_pp():
+    with pytest.raises(ConfigError, match="divisible by pp=2"):
+        resolve("megatron", "small-gen-heavy", 2, {"pp": 2, "vpp": 2, "global_batch_size": 6})
+
+
+def test_best_megatron_search_turns_everything_on():
+    best = get_system("megatron").search_layout(get_workload("mllm-72b"), 512, H100, KIT, seed=0,
+                                                global_batch_size=1024, micro_batch_size=1, exact=False)
+    o = best["options"]
+    assert o["overlap"] and o["sp"] == (o["tp"] > 1)
+    assert (get_workload("mllm-72b").backbone.num_layers // o["pp"]) % o["vpp"] == 0
+    found = simulate("mllm-72b", "megatron", o, 512, num_batches=1)
+    plain = simulate("mllm-72b", "megatron", {**o, "vpp": 1, "overlap": False}, 512, num_batches=1)
+    assert found["feasible"] and found["iteration_time_s"] <= plain["iteration_time_s"]
+
+
+def test_flags_accept_the_words_true_and_false():
+    """`--set sp=true` reaches the options as text (bench.keyvalue takes Python literals)."""
+    assert resolve("megatron", "tiny", 2, {"tp": 2, "sp": "true", "overlap": "False"})[1].label == "tp2-pp1-dp1-sp"
+    assert resolve("deepspeed", "tiny", 2, {"overlap_comm": "true"})[1].label == "zero1-dp2-ov"
+
+
+# ---------------------------------------------------------------- measured (gloo, 2 processes)
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_record("megatron", 1, {}, tmp_path_factory.mktemp("ref") / "r.jsonl")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("system, sets", [
+    ("megatron", {"overlap": True}),                      # DP 2: bucketed RS / AG overlap
+    ("megatron", {"tp": 2, "sp": True}),                  # sequence parallel
+    ("deepspeed", {"zero_stage": 2, "overlap_comm": True}),
+])
+def test_measured_option_reproduces_single_process_loss(tmp_path, reference, system, sets):
+    record = run_record(system, 2, sets, tmp_path / "r.jsonl")
+    assert_parity(record, reference)
+    moved, want = record["metrics"]["weight_update_norm"], reference["metrics"]["weight_update_norm"]
+    for module in ("encoder", "backbone", "generator"):
+        assert moved[module] == pytest.approx(want[module], rel=1e-4), module
+
+
+@pytest.mark.multiprocess
+def test_interleaved_pipeline_reproduces_plain_1f1b(tmp_path):
+    """Interleaving needs pp x vpp dividing the backbone's layers: small-gen-heavy has 4 (tiny 2)."""
+    sets = {**FAST, "steps": 3, "pp": 2}
+    plain = run_record("megatron", 2, sets, tmp_path / "a.jsonl", workload="small-gen-heavy")
+    inter = run_record("megatron", 2, {**sets, "vpp": 2, "overlap": True}, tmp_path / "b.jsonl",
+                       workload="small-gen-heavy")
+    assert inter["layout"]["label"] == "tp1-pp2-dp1-vpp2-ov"
+    for g, w in zip(losses(inter), losses(plain), strict=True):
+        assert g == pytest.approx(w, rel=1e-4)
