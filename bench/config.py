@@ -12,10 +12,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from systems.base import ConfigError, Layout, OptimConfig, get_system
 from workloads.presets import get_workload
+from workloads.profiles import DATA_PROFILES
 
 AUTO = "auto"
 REORDER_CHOICES = ("none", "intra", "inter", "both")
@@ -31,6 +33,11 @@ class DataConfig:
     reorder: str = "none"
     num_workers: int = 2               # disaggregated preprocessing workers
     prefetch: int = 4                  # microbatches buffered per trainer (backpressure)
+    # A directory of the user's WebDataset shards (<key>.jpg|.jpeg|.png + <key>.txt), imported once
+    # under `root` (workloads/webdataset.py) and trained on instead of generated data; empty: generated.
+    webdataset: str = ""
+    # With webdataset: the share of imported pairs that are generation targets (text-to-image).
+    p_generation: float = DATA_PROFILES["packed"].p_generation
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,11 @@ def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
                               f"data.*, optim.*, system options: {sorted(options) or 'none'}")
     base["options"] = options
     base["tags"] = dict(tags or {})
+    if base["data"]["webdataset"]:
+        # Absolute, so the record names the data and the cached import is keyed on one path;
+        # imported pairs are packed like the `packed` profile, which is what records then say.
+        base["data"]["webdataset"] = str(Path(base["data"]["webdataset"]).expanduser().resolve())
+        base["data"]["profile"] = base["data"]["profile"] or "packed"
     if not base["data"]["profile"]:
         base["data"]["profile"] = wl.data_profile.name
     base["global_batch_size"] = base["global_batch_size"] or wl.global_batch_size
@@ -135,9 +147,15 @@ def _check(cfg: RunConfig) -> None:
     if cfg.global_batch_size % cfg.micro_batch_size:
         raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of "
                           f"micro_batch_size {cfg.micro_batch_size}")
-    from workloads.profiles import DATA_PROFILES
     if cfg.data.profile not in DATA_PROFILES:
         raise ConfigError(f"unknown data profile {cfg.data.profile!r}; choose one of {sorted(DATA_PROFILES)}")
+    if cfg.data.webdataset and cfg.data.profile != "packed":
+        raise ConfigError(f"data.webdataset packs image-caption pairs as the packed profile does; "
+                          f"data.profile={cfg.data.profile!r} does not apply (leave it unset)")
+    if not 0.0 <= cfg.data.p_generation <= 1.0:
+        raise ConfigError(f"data.p_generation={cfg.data.p_generation} must be within [0, 1]")
+    if cfg.data.p_generation != DataConfig.p_generation and not cfg.data.webdataset:
+        raise ConfigError("data.p_generation applies to data.webdataset only (a profile sets it for generated data)")
 
 
 def config_key(config: RunConfig | dict) -> str:
@@ -145,6 +163,10 @@ def config_key(config: RunConfig | dict) -> str:
     without its tags (which say why it ran, not what ran)."""
     d = config.to_dict() if isinstance(config, RunConfig) else dict(config)
     d.pop("tags", None)
+    if not d.get("data", {}).get("webdataset"):
+        # Generated data: hash the keys that existed before data.webdataset, so repeats recorded
+        # earlier keep their config_key.
+        d["data"] = {k: v for k, v in d["data"].items() if k not in ("webdataset", "p_generation")}
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -7,6 +7,10 @@ depend on the dataset size, and the same seed gives byte-identical files (tar he
 mtime=0, no owner). meta.json records per-sample text-token count and image resolutions so
 cost models and reordering never decode a shard; it is written last, atomically, so a
 directory without it is an incomplete generation.
+
+Format 2 adds imported datasets (workloads.webdataset): no shards of their own; meta.json has a
+`source` (the user's shard directory, with each shard's size and mtime) and each sample lists
+the members it reads from those shards. Format 1 (synthetic only) still loads.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from PIL import Image
 from workloads.presets import Workload
 from workloads.tokenizer import TOKENIZER_FILE, save_tokenizer, train_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)     # 1: synthetic only; 2: synthetic or imported (samples carry member references)
 META_FILE = "meta.json"
 _SYLLABLES = [c + v for c in "bdfghklmnprstvz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
 
@@ -114,7 +119,7 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _write_json_atomic(path: Path, obj) -> None:
+def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, sort_keys=True, separators=(",", ":")))
     os.replace(tmp, path)
@@ -149,7 +154,7 @@ def generate_dataset(workload: Workload, out_dir: str | Path, num_samples: int, 
     save_tokenizer(tokenizer, out)
     for meta, enc in zip(metas, tokenizer.encode_batch(texts)):
         assert len(enc.ids) >= meta.num_text_tokens, f"sample {meta.index}: text too short"
-    _write_json_atomic(out / META_FILE, {
+    write_json_atomic(out / META_FILE, {
         "format_version": FORMAT_VERSION, "workload": workload.name, "profile": workload.data_profile.name,
         "seed": seed, "num_samples": num_samples, "samples_per_shard": samples_per_shard,
         "shards": shards, "tokenizer": TOKENIZER_FILE,
@@ -183,8 +188,8 @@ def read_meta(path: str | Path) -> dict:
     file = Path(path) / META_FILE
     try:
         meta = json.loads(file.read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"format_version {meta.get('format_version')} != {FORMAT_VERSION}")
+        if meta.get("format_version") not in READABLE_VERSIONS:
+            raise ValueError(f"format_version {meta.get('format_version')} not in {READABLE_VERSIONS}")
         return meta
     except (OSError, ValueError) as e:
         raise DatasetError(f"{file}: unreadable dataset metadata ({e}); delete {Path(path)} to regenerate") from e
@@ -195,13 +200,27 @@ def sample_metas(meta: dict) -> list[SampleMeta]:
                        tuple(s["output_resolutions"])) for s in meta["samples"]]
 
 
-def shard_index(shard: Path) -> dict[str, tuple[int, int]]:
-    """Member name -> (data offset, size), from tar headers only; DatasetError if truncated or unreadable."""
+def shard_index(shard: Path, fix: str = "") -> dict[str, tuple[int, int]]:
+    """Member name -> (data offset, size), from tar headers only; DatasetError if truncated or unreadable.
+    `fix`: what to do about it (default: regenerate; never "delete" for a user's own shards)."""
     try:   # tarfile itself raises "unexpected end of data" when a member's data is cut short
         with tarfile.open(shard, "r:") as tar:
             return {m.name: (m.offset_data, m.size) for m in tar}
     except (OSError, tarfile.TarError) as e:
-        raise DatasetError(f"{shard}: missing or unreadable shard ({e}); delete {shard.parent} to regenerate") from e
+        raise DatasetError(f"{shard}: missing or unreadable shard ({e}); "
+                           f"{fix or f'delete {shard.parent} to regenerate'}") from e
+
+
+def check_source(path: Path, meta: dict) -> None:
+    """An imported dataset is stale when any source shard is gone or changed size or mtime
+    (cheap: hashing a user's shards would reread all their data)."""
+    root = Path(meta["source"]["root"])
+    for shard in meta["source"]["shards"]:
+        file = root / shard["name"]
+        st = file.stat() if file.is_file() else None
+        if st is None or (st.st_size, st.st_mtime_ns) != (shard["size"], shard["mtime_ns"]):
+            raise DatasetError(f"{file}: source shard missing or changed since it was imported into {path}; "
+                               f"rerun to re-import")
 
 
 def validate_dataset(path: str | Path, checksums: bool = False) -> dict:
@@ -211,6 +230,9 @@ def validate_dataset(path: str | Path, checksums: bool = False) -> dict:
     fix = f"delete {path} to regenerate"
     if not (path / meta["tokenizer"]).is_file():
         raise DatasetError(f"{path / meta['tokenizer']}: tokenizer missing; {fix}")
+    if "source" in meta:      # imported: no shards of its own; members are checked when read
+        check_source(path, meta)
+        return meta
     metas, per = sample_metas(meta), meta["samples_per_shard"]
     for k, shard in enumerate(meta["shards"]):
         file = path / shard["name"]

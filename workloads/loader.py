@@ -25,6 +25,7 @@ from workloads.batch import ImageGroup, LatentGroup, MicroBatch, Sample
 from workloads.dataset import DatasetError, SampleMeta, read_meta, sample_metas, shard_index
 from workloads.presets import Workload
 from workloads.tokenizer import IMAGE_TOKEN_ID, load_tokenizer
+from workloads.webdataset import EOS_TOKEN, caption_text
 
 __all__ = ["DatasetReader", "SampleMeta", "collate", "noise_generator", "patchify"]
 
@@ -63,7 +64,11 @@ def preprocess_latent(data: bytes, resolution: int, downsample: int, patch_size:
 
 
 class DatasetReader:
-    """Random access to a generated dataset; tar files open lazily, once per process."""
+    """Random access to a generated or imported dataset; tar files open lazily, once per process.
+
+    Generated: sample k's members are named by its key in shard k // samples_per_shard, its text
+    one member. Imported (workloads.webdataset): meta.json lists each sample's members in the
+    user's shards; its text is its captions, each tokenized alone and followed by <eos>."""
 
     def __init__(self, path: str | Path, workload: Workload, seed: int = 0):
         self.path, self.workload, self.seed = Path(path), workload, seed
@@ -73,6 +78,11 @@ class DatasetReader:
             raise DatasetError(f"{self.path}: generated for workload/profile {made_for}, not {wanted}")
         self.metas = sample_metas(self.meta)
         self._per_shard = self.meta["samples_per_shard"]
+        source = self.meta.get("source")
+        self._source = Path(source["root"]) if source else None
+        # Never advise deleting a user's own shards: an import is redone when they change.
+        self._fix = (f"the source changed since it was imported into {self.path}: fix it, then rerun to re-import"
+                     if source else f"delete {self.path} to regenerate")
         self._reset()
 
     def _reset(self) -> None:
@@ -95,37 +105,54 @@ class DatasetReader:
             self._tokenizer = load_tokenizer(self.path / self.meta["tokenizer"])
         return self._tokenizer
 
-    def _read(self, shard: str, member: str) -> bytes:
+    def _read(self, shard: Path, member: str) -> bytes:
         if self._pid != os.getpid():
             self._reset()
         if shard not in self._files:
-            self._indices[shard] = shard_index(self.path / shard)
-            self._files[shard] = open(self.path / shard, "rb")
+            self._indices[shard] = shard_index(shard, self._fix)
+            self._files[shard] = open(shard, "rb")
         try:
             offset, size = self._indices[shard][member]
         except KeyError:
-            raise DatasetError(f"{self.path / shard}: member {member} missing; delete {self.path} to regenerate") from None
+            raise DatasetError(f"{shard}: member {member} missing; {self._fix}") from None
         f = self._files[shard]
         f.seek(offset)
         return f.read(size)
 
-    def load_sample(self, index: int) -> Sample:
-        meta, w = self.metas[index], self.workload
-        shard = self.meta["shards"][index // self._per_shard]["name"]
-        ids = self.tokenizer.encode(self._read(shard, f"{meta.key}.txt").decode()).ids
-        if len(ids) < meta.num_text_tokens:
-            raise DatasetError(f"{self.path / shard}: sample {index} text has {len(ids)} tokens, "
-                               f"needs {meta.num_text_tokens}; delete {self.path} to regenerate")
+    def _members(self, index: int) -> tuple[list, list, list]:
+        """(text, input image, output image) members of a sample, each (shard path, member name)."""
+        if self._source is not None:
+            refs, shards = self.meta["samples"][index]["members"], self.meta["source"]["shards"]
+            return tuple([(self._source / shards[s]["name"], name) for s, name in refs[kind]]
+                         for kind in ("text", "inputs", "outputs"))
+        meta = self.metas[index]
+        shard = self.path / self.meta["shards"][index // self._per_shard]["name"]
+        names, n_in = meta.member_names(), len(meta.input_resolutions)
+        return [(shard, names[0])], [(shard, n) for n in names[1:1 + n_in]], [(shard, n) for n in names[1 + n_in:]]
+
+    def _text_ids(self, members: list) -> list[int]:
+        if self._source is None:
+            return self.tokenizer.encode(self._read(*members[0]).decode()).ids
+        eos = self.tokenizer.token_to_id(EOS_TOKEN)
+        return [t for m in members for t in self.tokenizer.encode(caption_text(self._read(*m))).ids + [eos]]
+
+    def _image(self, index: int, member: tuple, preprocess, *args) -> torch.Tensor:
         try:
-            images = [preprocess_image(self._read(shard, f"{meta.key}.in{i}.jpg"), res, w.encoder.patch_size)
-                      for i, res in enumerate(meta.input_resolutions)]
-            g = w.generator
-            latents = [preprocess_latent(self._read(shard, f"{meta.key}.out{j}.jpg"), res, g.latent_downsample,
-                                         g.latent_patch_size, g.latent_channels)
-                       for j, res in enumerate(meta.output_resolutions)]
-        except OSError as e:    # PIL raises OSError subclasses on corrupt JPEG data
-            raise DatasetError(f"{self.path / shard}: sample {index} image undecodable ({e}); "
-                               f"delete {self.path} to regenerate") from e
+            return preprocess(self._read(*member), *args)
+        except OSError as e:    # PIL raises OSError subclasses on corrupt image data
+            raise DatasetError(f"{member[0]}: sample {index} image {member[1]} undecodable ({e}); {self._fix}") from e
+
+    def load_sample(self, index: int) -> Sample:
+        meta, w, g = self.metas[index], self.workload, self.workload.generator
+        texts, inputs, outputs = self._members(index)
+        ids = self._text_ids(texts)
+        if len(ids) < meta.num_text_tokens:
+            raise DatasetError(f"{texts[0][0]}: sample {index} text has {len(ids)} tokens, "
+                               f"needs {meta.num_text_tokens}; {self._fix}")
+        images = [self._image(index, m, preprocess_image, res, w.encoder.patch_size)
+                  for m, res in zip(inputs, meta.input_resolutions)]
+        latents = [self._image(index, m, preprocess_latent, res, g.latent_downsample, g.latent_patch_size,
+                               g.latent_channels) for m, res in zip(outputs, meta.output_resolutions)]
         return Sample(index, torch.tensor(ids[:meta.num_text_tokens], dtype=torch.int64), images, latents)
 
     def load_microbatch(self, indices: list[int]) -> MicroBatch:

@@ -94,8 +94,9 @@ class Document:
     images: tuple[tuple[bool, int], ...]   # (is a generation target, resolution in pixels), in order
 
 
-class _Packer:
-    """One sample being filled to exactly seq_length backbone tokens.
+class Packer:
+    """One sample being filled to exactly seq_length backbone tokens (public: workloads.webdataset
+    packs a user's real image-caption pairs with the same rules as the synthetic profiles).
 
     Input images cost their image tokens; output images cost none (the generator is conditioned on
     the sample's last hidden states); all the rest is text. Images may take at most seq_length -
@@ -160,7 +161,7 @@ class _DocumentStream:
         raise NotImplementedError
 
     def draw(self, workload: "Workload", rng: np.random.Generator) -> Images:
-        packer = _Packer(workload, self.max_images)
+        packer = Packer(workload, self.max_images)
         while not packer.closed:   # ends: every document has >= 1 text token
             packer.add(self.draw_document(workload, rng), self.partial_documents)
         return packer.inputs, packer.outputs

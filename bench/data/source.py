@@ -26,7 +26,9 @@ class DataPlan:
         # module sees the same samples in the same rows (the bridge moves rows in order).
         self.canonical_groups = canonical_groups
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.reorder, self.num_samples = reorder, num_samples
+        # An imported dataset (data.webdataset) has as many samples as its pairs pack into:
+        # batches cycle through at most that many.
+        self.reorder, self.num_samples = reorder, min(num_samples, len(reader.metas))
 
     def ids(self, step: int) -> list[int]:
         return global_batch_ids(step, self.global_batch_size, self.num_samples)

@@ -38,7 +38,11 @@ def prepare_dataset(cfg: RunConfig) -> Path:
     workload = get_workload(cfg.workload, cfg.data.profile)
     root = Path(cfg.data.root)
     root = root if root.is_absolute() else REPO / root
-    path = ensure_dataset(workload, root, cfg.data.num_samples, cfg.seed)
+    if cfg.data.webdataset:     # the user's shards, indexed once into root before any process starts
+        from workloads.webdataset import ensure_webdataset
+        path = ensure_webdataset(workload, cfg.data.webdataset, root, cfg.data.p_generation)
+    else:
+        path = ensure_dataset(workload, root, cfg.data.num_samples, cfg.seed)
     validate_dataset(path)
     return path
 
