@@ -217,3 +217,17 @@ def test_interleaved_pipeline_reproduces_plain_1f1b(tmp_path):
     assert inter["layout"]["label"] == "tp1-pp2-dp1-vpp2-ov"
     for g, w in zip(losses(inter), losses(plain), strict=True):
         assert g == pytest.approx(w, rel=1e-4)
+
+
+def test_disttrain_overlap_is_simulated_only_and_never_slower():
+    adapter, w = get_system("disttrain"), get_workload("mllm-9b")
+    plan = {"plan": "enc:1x4,llm:2x2x4,gen:1x4", "placement": "disaggregated", "recompute": False}
+    assert adapter.options_from_label("enc:1x4,llm:2x2x4,gen:1x4-rc-ov") == {**plan, "recompute": True, "overlap": True}
+    with pytest.raises(ConfigError, match="simulator only"):
+        adapter.layout({**plan, "overlap": True}, 24, w, 64, 1)
+    with pytest.raises(ConfigError, match="disaggregated placement only"):
+        adapter.layout({**plan, "placement": "colocated", "plan": "enc:1x8,llm:1x1x8,gen:1x8", "overlap": True},
+                       8, w, 64, 1, simulated=True)
+    off = simulate(w, "disttrain", {**plan, "overlap": False}, 24, num_batches=1, global_batch_size=64)
+    on = simulate(w, "disttrain", {**plan, "overlap": True}, 24, num_batches=1, global_batch_size=64)
+    assert on["label"].endswith("-ov") and on["iteration_time_s"] < off["iteration_time_s"]

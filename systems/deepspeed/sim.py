@@ -89,17 +89,24 @@ def _zero3_exposed(O, comm: float, compute: float, params: float, overlap: bool)
 
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
     """The ZeRO stage (and, simulated, recompute setting) that fits and simulates fastest. DP is
-    every device (exact), or the most devices whose count divides the global batch in
-    microbatches (DeepSpeed's train_batch_size = micro batch x accumulation x DP); the rest idle."""
+    every device (exact; simulated too when the batch rounds to a multiple of devices x micro
+    batch within kit.estimate.BATCH_TOLERANCE), else the most devices whose count divides the
+    global batch in microbatches (DeepSpeed's train_batch_size = micro batch x accumulation x
+    DP); the rest idle."""
     microbatches = global_batch_size // micro_batch_size
-    dp = num_devices if exact else max(d for d in range(1, min(num_devices, microbatches) + 1) if microbatches % d == 0)
+    batch = None if exact else kit.estimate.rounded_batch(global_batch_size, num_devices * micro_batch_size)
+    if exact or batch is not None:
+        dp, batch = num_devices, batch or global_batch_size
+    else:
+        dp = max(d for d in range(1, min(num_devices, microbatches) + 1) if microbatches % d == 0)
+        batch = global_batch_size
     best = None
     for z, rc in product((1, 2, 3), (False,) if exact else (False, True)):
         options = {"zero_stage": z, "dp": dp, "recompute": rc, "overlap_comm": True}
         r = kit.simulate(w, "deepspeed", options, num_devices, cluster, seed=seed, num_batches=1,
-                         global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+                         global_batch_size=batch, micro_batch_size=micro_batch_size)
         if r["feasible"] and (best is None or r["iteration_time_s"] < best["estimate_s"]):
-            best = {"options": options, "estimate_s": r["iteration_time_s"]}
+            best = {"options": options, "estimate_s": r["iteration_time_s"], "global_batch_size": batch}
     if best is not None:
         best["search"] = "ZeRO stages 1-3 (and recompute) with overlap_comm, each simulated on one batch"
     return best

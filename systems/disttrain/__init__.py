@@ -18,8 +18,10 @@ PLACEMENTS = ("disaggregated", "colocated")
 @register
 class DistTrainSystem(SystemAdapter):
     name = "disttrain"
-    # plan: "auto" asks the orchestrator (search_layout); recompute is simulated only.
-    options = {"plan": "", "placement": "disaggregated", "recompute": False}
+    # plan: "auto" asks the orchestrator (search_layout); recompute and overlap (each module's DP
+    # reduce-scatter / all-gather hidden behind its backward / forward, as Megatron's DDP does) are
+    # simulated only: the measured runtime syncs after its own flush.
+    options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False}
     sim_module = "systems.disttrain.sim"
     records_timeline = True
     reorders_data = True
@@ -29,25 +31,31 @@ class DistTrainSystem(SystemAdapter):
             raise ConfigError(f"placement={options['placement']!r}; choose one of {PLACEMENTS}")
         if not options["plan"] or options["plan"] == "auto":
             raise ConfigError("disttrain needs a plan: --set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP (or plan=auto)")
-        rc = bool(options.get("recompute", False))
+        rc, ov = bool(options.get("recompute", False)), bool(options.get("overlap", False))
         if rc and not simulated:
             raise ConfigError("recompute=True is modeled by the simulator only; measured runs keep activations")
+        if ov and not simulated:
+            raise ConfigError("overlap=True is modeled by the simulator only; measured disttrain runs sync after the flush")
         colocated = options["placement"] == "colocated"
+        if ov and colocated:
+            raise ConfigError("overlap=True is modeled for the disaggregated placement only; drop it for colocated")
         plan = parse_plan(options["plan"], nproc, colocated, exact=not simulated)
         validate_plan(plan, workload, global_batch_size, micro_batch_size, runtime=not simulated)
         used = plan.modules["backbone"].size if colocated else sum(p.size for p in plan.modules.values())
-        details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc,
+        details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc, "overlap": ov,
                    "modules": {n: {"tp": p.tp, "pp": p.pp, "dp": p.dp, "first_rank": p.rank_offset}
                                for n, p in plan.modules.items()}}
-        return Layout(label=plan.label() + ("-rc" if rc else ""), num_devices=used, details=details,
+        return Layout(label=plan.label() + ("-rc" if rc else "") + ("-ov" if ov else ""), num_devices=used, details=details,
                       module_dp={n: p.dp for n, p in plan.modules.items()}, canonical_groups=plan.canonical_groups)
 
     def options_from_label(self, label: str) -> dict:
         text = label.strip()
         colocated = text.startswith("colocated ")
         text = text.removeprefix("colocated ").strip()
+        ov = text.endswith("-ov")
+        text = text.removesuffix("-ov")
         rc = text.endswith("-rc")
-        return {"plan": text.removesuffix("-rc"), "placement": PLACEMENTS[colocated], "recompute": rc}
+        return {"plan": text.removesuffix("-rc"), "placement": PLACEMENTS[colocated], "recompute": rc, "overlap": ov}
 
     def setup(self, ctx) -> None:
         from systems import mcore

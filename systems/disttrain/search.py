@@ -104,7 +104,7 @@ def per_sample(plan: dict, key: str) -> float:
 def options_of(plan: dict) -> dict:
     """The adapter's options (--set plan=... placement=... recompute=...) of a structured plan."""
     return {"plan": plan_text(plan), "placement": plan.get("placement", "disaggregated"),
-            "recompute": bool(plan.get("recompute", False))}
+            "recompute": bool(plan.get("recompute", False)), "overlap": bool(plan.get("overlap", False))}
 
 
 def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> dict | None:
@@ -272,6 +272,8 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     else:
         disaggregated = best_plan(kit, w, num_devices, cluster, st)
         if disaggregated is not None:
+            # Every module is a megatron DDP model: overlap its DP sync, as the Megatron baseline's search does.
+            disaggregated["overlap"] = True
             r = kit.simulate(w, "disttrain", options_of(disaggregated), num_devices, cluster, seed=seed,
                              num_batches=1, global_batch_size=disaggregated["global_batch_size"],
                              micro_batch_size=st.mbs)

@@ -42,12 +42,21 @@ def search(w, num_devices, cluster, kit, **kw):
     return orchestrator.search(w, num_devices, cluster, kit, **kw)
 
 
+def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> float:
+    """One group's DP sync; with overlap its reduce-scatter hides behind the group's last
+    microbatch's backward and its all-gather behind its first forward (bench.sim.overlap, the
+    bucket size of megatron DDP, which every module is wrapped in)."""
+    O = kit.overlap
+    return O.dp_sync(params, dp, spans, cluster, overlap=overlap, bucket_params=O.megatron_bucket_params(dp),
+                     forward_s=float(forward_s), backward_s=float(backward_s))
+
+
 def simulate_step(layout, step, kit) -> StepCost:
     if layout.details["placement"] == "colocated":
         return sim_colocated.simulate_step(layout, step, kit)
     C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
     w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
-    lays, rc = module_layouts(layout), layout.details["recompute"]
+    lays, rc, ov = module_layouts(layout), layout.details["recompute"], layout.details.get("overlap", False)
     E, K, G = lays["encoder"], lays["backbone"], lays["generator"]
     sh, gpn, B, seq = C.module_shapes(w), cluster.gpus_per_node, bc.num_samples, w.backbone.seq_length
     tp, pp, dp = K["tp"], K["pp"], K["dp"]
@@ -110,13 +119,14 @@ def simulate_step(layout, step, kit) -> StepCost:
         p = sh[key].params / lay["tp"]
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
-        sync.append(float(C.dp_sync_time(p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster)))
+        col = 0 if key == "encoder" else S - 1
+        sync.append(_dp_sync(kit, p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster, ov, fwd[0, col], bwd[-1, col]))
         opt.append(C.optimizer_time(p / lay["dp"], cluster))
     for s, (_, params, n) in enumerate(stages):
         a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc)
         mem.append(C.distributed_optimizer_bytes(params / tp, dp, cluster.value_bytes) + a
                    + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0.0))
-        sync.append(float(C.dp_sync_time(params / tp, dp, tp * dp > gpn, cluster)))
+        sync.append(_dp_sync(kit, params / tp, dp, tp * dp > gpn, cluster, ov, fwd[0, 1 + s], bwd[-1, 1 + s]))
         opt.append(C.optimizer_time(params / tp / dp, cluster))
     gpus = E["tp"] * E["dp"] + tp * pp * dp + G["tp"] * G["dp"]
     data = 0.0

@@ -15,6 +15,7 @@ chunk's last backward), the slowest replica's compute being what it can hide beh
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 import numpy as np
@@ -141,28 +142,40 @@ def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool, sp: bool 
     return I.estimate(t_f + t_b, link, m, vpp) + sync
 
 
+# Extra interleaving chunks are priced as free p2p hops here, though each adds messages and
+# launches the model does not see: take the fewest chunks within this fraction of the best.
+VPP_TOLERANCE = 0.005
+
+
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
            recompute=(False, True)) -> dict | None:
-    """The best single (tp, pp, dp, vpp) layout by the estimate: a fair monolithic baseline, with
-    what practitioners turn on: sequence parallelism whenever TP > 1 (it only saves memory here),
-    DP communication overlap, and every interleaving vpp that divides a stage's layers.
-    exact: every device used (dp = num_devices / (tp * pp)), no recomputation (what runs)."""
+    """The best single (tp, pp, dp, vpp) layout by the estimate per sample: a fair monolithic
+    baseline, with what practitioners turn on: sequence parallelism whenever TP > 1 (it only
+    saves memory here), DP communication overlap, and interleaving (the fewest chunks within
+    VPP_TOLERANCE of the best). Not exact: any DP, the batch rounded to a multiple of DP x
+    microbatch (kit.estimate.batch_dps), as DistTrain's search does. exact: every device used
+    (dp = num_devices / (tp * pp)), DP dividing the batch, no recomputation (what runs)."""
     C = kit.costs
     st = kit.estimate.work_stats(w, global_batch_size, micro_batch_size, seed)
     heads = (w.backbone.num_attention_heads, w.backbone.num_query_groups, w.encoder.num_attention_heads,
              w.generator.num_attention_heads)
     best = None
-    for rc, tp, pp, dp in product((False,) if exact else recompute, C.tp_choices(cluster.gpus_per_node, *heads),
-                                  C.divisors(w.backbone.num_layers), C.divisors(st.B // st.mbs)):
-        used = tp * pp * dp
-        if used != num_devices and (exact or used > num_devices):
-            continue
-        for vpp in C.divisors(w.backbone.num_layers // pp) if pp > 1 else (1,):
-            v = estimate(w, st, cluster, kit, tp, pp, dp, rc, sp=tp > 1, vpp=vpp, overlap=True)
-            if np.isfinite(v) and (best is None or v < best["estimate_s"]):
+    for rc, tp, pp in product((False,) if exact else recompute, C.tp_choices(cluster.gpus_per_node, *heads),
+                              C.divisors(w.backbone.num_layers)):
+        for dp, batch in kit.estimate.batch_dps(st, num_devices // (tp * pp), exact):
+            if exact and tp * pp * dp != num_devices:
+                continue
+            sb = replace(st, B=batch)
+            scores = {vpp: estimate(w, sb, cluster, kit, tp, pp, dp, rc, sp=tp > 1, vpp=vpp, overlap=True)
+                      for vpp in (C.divisors(w.backbone.num_layers // pp) if pp > 1 else (1,))}
+            top = min(scores.values())
+            if not np.isfinite(top):
+                continue
+            vpp = min(v for v, t in scores.items() if t <= (1 + VPP_TOLERANCE) * top)
+            if best is None or scores[vpp] / batch < best["estimate_s"] / best["global_batch_size"]:
                 best = {"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": tp > 1, "vpp": vpp,
-                                    "overlap": True}, "estimate_s": v}
+                                    "overlap": True}, "estimate_s": scores[vpp], "global_batch_size": batch}
     if best is not None:
         best["search"] = ("every (tp, pp, dp, vpp, recompute) with sequence parallelism (TP > 1) and DP overlap, "
-                          "ranked by the closed-form (interleaved) 1F1B estimate")
+                          "ranked by the closed-form (interleaved) 1F1B estimate per sample")
     return best
