@@ -126,6 +126,9 @@ class StepCost:
     memory_bytes: float            # the most any device holds
     devices_used: int
     microbatch_flops: list[list[float]]   # first microbatches' FLOPs per module (encoder, backbone, generator)
+    # Seconds the busiest trainer rank spends reading and preprocessing its samples (kit.costs.
+    # data_time); the simulator decides how much of it the step waits for (bench.sim.preprocess).
+    data_s: float = 0.0
 
 
 class SystemAdapter(ABC):

@@ -501,3 +501,25 @@ def test_megatron_uses_the_spare_gpus_and_few_interleaving_chunks():
     top = min(t(v) for v in chunks)
     assert t(o["vpp"]) <= (1 + megatron_sim.VPP_TOLERANCE) * top
     assert all(t(v) > (1 + megatron_sim.VPP_TOLERANCE) * top for v in chunks if v < o["vpp"])
+
+
+# ---------------------------------------------------------------- preprocessing in the trainers at GPU scale
+
+def test_data_wait_inline_on_cpu_prefetched_on_gpus():
+    from bench.sim.preprocess import data_wait
+    assert data_wait(3.0, 1.0, H100) == pytest.approx(0.5)       # 2 loader workers: 1.5 s against a 1 s step
+    assert data_wait(1.0, 1.0, H100) == 0.0
+    assert data_wait(3.0, 1.0, _cpu_cluster()) == 3.0             # our CPU trainers preprocess inline
+
+
+def test_slow_preprocessing_shows_as_data_wait_for_trainers_not_for_disaggregated_workers():
+    slow = dataclasses.replace(H100, preprocess={"s_per_sample": 0.05, "s_per_input_pixel": 2e-6,
+                                                 "s_per_output_pixel": 2e-6, "collate_s_per_microbatch": 0.01})
+    w = get_workload("mllm-9b", "packed")
+    meg = simulate(w, "megatron", {"tp": 2, "pp": 2, "dp": 4}, 16, slow, num_batches=1, global_batch_size=32)
+    base = simulate(w, "megatron", {"tp": 2, "pp": 2, "dp": 4}, 16, H100, num_batches=1, global_batch_size=32)
+    assert meg["data_wait_fraction"] > 0.1 and base["data_wait_fraction"] == 0.0
+    assert meg["iteration_time_s"] == pytest.approx(base["iteration_time_s"] / (1 - meg["data_wait_fraction"]))
+    plan = {"plan": "enc:1x2,llm:2x2x2,gen:1x2"}
+    dis = simulate(w, "disttrain", plan, 12, slow, num_batches=1, global_batch_size=32)
+    assert dis["data_wait_fraction"] == 0.0

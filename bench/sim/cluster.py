@@ -54,6 +54,17 @@ class Cluster:
     # profile, `gemm_table`), "flat" (FLOPs / (peak x efficiency) whatever the shape).
     compute_model: str = "roofline"
     gemm_table: dict | None = None
+    # Host side of a GPU node (bench.sim.preprocess): a DGX H100/H200 has 2x Xeon 8480C, 112 cores for
+    # 8 GPUs (NVIDIA DGX BasePOD reference architecture, "Core Components").
+    host_cores_per_gpu: float | None = 14.0
+    host_cores_source: str = "NVIDIA DGX BasePOD reference architecture: 112 CPU cores per 8-GPU DGX H100/H200 node"
+    # Megatron-LM's data loader worker processes per trainer (megatron/training/arguments.py --num-workers).
+    loader_workers: int = 2
+    loader_workers_source: str = "Megatron-LM --num-workers default 2"
+    # Per-sample / per-pixel preprocessing seconds (a CPU profile's "data": bench.sim.preprocess.with_preprocess);
+    # None: preprocessing in the trainers is not modelled on this cluster.
+    preprocess: dict | None = None
+    preprocess_source: str = "not modelled: no CPU profile of this machine (python -m bench profile)"
     # --- measured-hardware extensions (bench/profile/profiler.py); the defaults leave the GPU model as it is.
     # A measured peak (a CPU has no datasheet row): replaces PEAK_FLOPS[gpu][dtype] when set.
     peak_flops_measured: float | None = None

@@ -324,9 +324,14 @@ def divisors(n: int) -> list[int]:
 
 # ------------------------------------------------------------------ host costs (measured clusters)
 
+def _data_costs(cluster: Cluster) -> dict | None:
+    """A measured CPU cluster's own data costs, else a GPU cluster's preprocessing costs."""
+    return (cluster.host or {}).get("data") or cluster.preprocess
+
+
 def load_seconds(w: Workload, metas, cluster: Cluster) -> np.ndarray:
     """Seconds to read and preprocess each sample in a trainer (0 without a data model)."""
-    d = (cluster.host or {}).get("data")
+    d = _data_costs(cluster)
     if not d:
         return np.zeros(len(metas))
     return cluster.host_slowdown * np.array(
@@ -336,7 +341,7 @@ def load_seconds(w: Workload, metas, cluster: Cluster) -> np.ndarray:
 
 def data_time(load_s: np.ndarray, samples, microbatches: int, cluster: Cluster) -> float:
     """One rank preprocessing `samples` (positions into load_s) as `microbatches` collated batches."""
-    d = (cluster.host or {}).get("data")
+    d = _data_costs(cluster)
     if not d:
         return 0.0
     return float(np.sum(load_s[list(samples)])) + cluster.host_slowdown * microbatches * d[

@@ -23,6 +23,7 @@ from bench.sim import costs as C
 from bench.sim.batch import RuntimeOrder, draw_batch
 from bench.sim.cluster import Cluster, get_cluster
 from bench.sim.kit import Kit
+from bench.sim.preprocess import data_wait, with_preprocess
 from systems.base import ConfigError, Layout, SimStep, get_system
 from workloads.flops import ModuleFlops, batch_flops
 from workloads.presets import MODULES, Workload, get_workload
@@ -57,14 +58,16 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
     reorder = adapter.reorders_data if reorder is None else reorder
     batches = list(steps) if steps is not None else list(range(num_batches))
     num_batches = len(batches)
-    times, bubbles, mems, total, first = [], [], [], ModuleFlops(0, 0, 0), []
+    times, waits, bubbles, mems, total, first = [], [], [], [], ModuleFlops(0, 0, 0), []
     for i, step in enumerate(batches):
         metas = draw_batch(w, B, seed, step, num_samples)
         bc = C.batch_costs(w, metas)
         bc.load_s = C.load_seconds(w, metas, cluster)
         rd = RuntimeOrder(w, metas, mbs, data_order, layout.canonical_groups) if data_order is not None else None
         cost = adapter.simulate_step(layout, SimStep(w, bc, cluster, mbs, reorder, rd), kit)
-        times.append(cost.pipeline_s + cost.sync_and_host_s)
+        step_s = cost.pipeline_s + cost.sync_and_host_s
+        waits.append(data_wait(cost.data_s, step_s, cluster))
+        times.append(step_s + waits[-1])
         used, pipe = cost.devices_used, cost.pipeline_s
         bubbles.append(1.0 - cost.busy_device_s / (used * pipe) if pipe > 0 else 0.0)
         mems.append(cost.memory_bytes)
@@ -79,6 +82,7 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
         "num_gpus": num_gpus, "gpus_used": used, "iteration_time_s": step_time, "iteration_times_s": times,
         "bubble_fraction": float(np.mean(bubbles)), "per_gpu_memory_gib": float(mem / 2 ** 30),
         "feasible": bool(mem <= cluster.memory_bytes), "reorder": reorder, "global_batch_size": B,
+        "data_wait_fraction": float(np.sum(waits) / np.sum(times)) if np.sum(times) > 0 else 0.0,
         "micro_batch_size": mbs, "flops_per_iteration": mean.as_dict(),
         "microbatch_costs": [dict(zip(MODULES, r)) for r in first], **tp.as_dict(),
     }
@@ -106,7 +110,8 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     """A bench.records record (mode "simulated") of one simulation; options None or "auto": the
     system's own layout search (whose layout may come with a rounded global batch)."""
     from bench.records import build_record, new_run_id
-    w, cl = get_workload(workload_name, profile), get_cluster(cluster)
+    w = get_workload(workload_name, profile)
+    cl = with_preprocess(get_cluster(cluster), w.name)
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
     chosen, estimate = "given", None
     reason = f"no {system} layout fits {num_gpus} GPUs in memory"
@@ -140,7 +145,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
         return build_record(**common, status="skipped", reason=str(e), layout={"label": "invalid", **options},
                             assumptions=assumptions)
     keys = ("samples_per_s", "tokens_per_s", "mfu", "mfu_per_module", "iteration_time_s", "bubble_fraction",
-            "per_gpu_memory_gib", "samples_per_s_per_device", "tokens_per_s_per_device")
+            "per_gpu_memory_gib", "samples_per_s_per_device", "tokens_per_s_per_device", "data_wait_fraction")
     metrics = {k: r[k] for k in keys}
     metrics.update(gpus_used=r["gpus_used"], estimate_s=estimate, feasible=r["feasible"])
     return build_record(**common, status="ok" if r["feasible"] else "skipped", reason=r["reason"],

@@ -73,8 +73,8 @@ def simulate_step(layout, step, kit) -> StepCost:
            + C.logits_bytes(w, mbs, 1))
     g0 = [i for mb in per_rank[0] for i in mb][:mbs]
     first = [[float(enc[g0].sum()), float(bb_flops * len(g0)), float(gen[g0].sum())]]
-    host_s = data + C.optimizer_time(P / dp if z >= 1 else P, cluster) + C.harness_time(dp, cluster)
-    return StepCost(pipe, sync + host_s, sum(compute), float(C.state_bytes(P, dp, z) + act), dp, first)
+    host_s = C.optimizer_time(P / dp if z >= 1 else P, cluster) + C.harness_time(dp, cluster)
+    return StepCost(pipe, sync + host_s, sum(compute), float(C.state_bytes(P, dp, z) + act), dp, first, data)
 
 
 def _zero3_exposed(O, comm: float, compute: float, params: float, overlap: bool) -> float:

@@ -135,5 +135,5 @@ def simulate_step(layout, step, kit) -> StepCost:
         for key in MODULES:
             for r in rows[key]:                  # every rank preprocesses its own rows
                 data = max(data, C.data_time(load, [i for mb in r for i in mb], len(r), cluster))
-    host_s = data + max(opt) + C.harness_time(gpus, cluster)
-    return StepCost(pipe, max(sync) + host_s, busy, max(mem), gpus, first)
+    host_s = max(opt) + C.harness_time(gpus, cluster)
+    return StepCost(pipe, max(sync) + host_s, busy, max(mem), gpus, first, data)

@@ -69,6 +69,6 @@ def simulate_step(layout, step, kit) -> StepCost:
             mine = rows[k][(r // (lay[k]["tp"] * lay[k].get("pp", 1))) % lay[k]["dp"]]
             d += C.data_time(load, [i for mb in mine for i in mb], len(mine), cluster)
         data = max(data, d)
-    host_s = data + opt + C.harness_time(P, cluster)
-    return StepCost(total, sync + host_s, busy, mem, P, first)
+    host_s = opt + C.harness_time(P, cluster)
+    return StepCost(total, sync + host_s, busy, mem, P, first, data)
 

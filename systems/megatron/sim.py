@@ -91,8 +91,8 @@ def simulate_step(layout, step, kit) -> StepCost:
         mem.append(C.distributed_optimizer_bytes(p / tp, dp, cluster.value_bytes) + act)
         sync.append(_dp_sync(kit, p / tp, dp, tp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
         opt.append(C.optimizer_time(p / tp / dp, cluster))     # distributed optimizer: a 1/dp shard
-    host_s = data + max(opt) + C.harness_time(tp * pp * dp, cluster)
-    return StepCost(pipe, max(sync) + host_s, busy, max(mem), tp * pp * dp, first)
+    host_s = max(opt) + C.harness_time(tp * pp * dp, cluster)
+    return StepCost(pipe, max(sync) + host_s, busy, max(mem), tp * pp * dp, first, data)
 
 
 def _per_device(x, pp: int):
