@@ -12,7 +12,11 @@ py=.venv/bin/python
 for workload in small small-enc-heavy; do
     [ -f "results/profiles/cpu-$workload.json" ] || $py -m bench profile --workload "$workload"
 done
-$py -m bench sweep "${1:-bench/sweeps/default.toml}"
+# A failed run does not stop the job: validation and the report still run, then the sweep's
+# status (non-zero when any run failed) is the job's.
+status=0
+$py -m bench sweep "${1:-bench/sweeps/default.toml}" || status=$?
 $py -m bench validate
 $py -m analysis report
 echo "report: results/report/report.md"
+exit $status

@@ -1,7 +1,7 @@
 """Read `results/*.jsonl` into tidy frames: one row per record, and one row per measured step.
 
-Every line is validated by bench.records; a malformed one raises RecordError naming its file
-and line. Nothing here invents a value: a metric a record lacks stays NaN.
+Every line is validated by bench.records; a malformed or torn one is skipped and listed
+(Results.skipped, file:line), and the report says so. Nothing here invents a value: a metric a record lacks stays NaN.
 
 No system is named here: which systems are baselines comes from the system registry, and a
 system the registry does not know (a toy one in a test) is treated as a system under study.
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench.records import read_records
+from bench.records import SkippedLine, scan_records
 from systems.base import baseline_names
 from workloads.flops import parameter_counts
 from workloads.presets import PRESETS
@@ -57,24 +57,23 @@ class Results:
     steps: pd.DataFrame     # one row per step of every record that has steps
     files: list[Path] = field(default_factory=list)
     baseline: str | None = None  # the system speedups divide by (analysis.repeats); None: no speedups
+    skipped: list = field(default_factory=list)   # bench.records.SkippedLine: lines no figure uses
 
 
 class BaselineError(ValueError):
     """The requested speedup baseline has no successful record."""
 
 
-def load_records(results_dir: Path | str) -> tuple[list[dict], list[Path]]:
-    """All records of `results_dir/*.jsonl`, each tagged with `_source` = "file:line".
-
-    A malformed line raises bench.records.RecordError("<file>:<line>: <problem>")."""
+def load_records(results_dir: Path | str) -> tuple[list[dict], list[Path], list[SkippedLine]]:
+    """All valid records of `results_dir/*.jsonl`, each tagged with `_source` = "file:line", the
+    files, and the lines skipped (a torn last line, a malformed line: bench.records.scan_records)."""
     files = sorted(Path(results_dir).glob("*.jsonl"))
-    records = []
+    records, skipped = [], []
     for path in files:
-        with open(path) as f:  # the same line numbering read_records uses
-            lines = [i for i, line in enumerate(f, 1) if line.strip()]
-        for lineno, record in zip(lines, read_records(path)):
-            records.append({**record, "_source": f"{path.name}:{lineno}"})
-    return records, files
+        good, bad = scan_records(path)
+        records += [{**record, "_source": f"{path.name}:{lineno}"} for lineno, record in good]
+        skipped += bad
+    return records, files, skipped
 
 
 def _data_wait_fraction(record: dict) -> float:
@@ -124,11 +123,12 @@ def steps_frame(records: list[dict]) -> pd.DataFrame:
 def load(results_dir: Path | str, baseline: str | None = None) -> Results:
     """Both frames from `results_dir/*.jsonl`, and the speedup `baseline` (see pick_baseline).
 
-    Raises RecordError on any malformed line, BaselineError on a baseline without a run."""
-    records, files = load_records(results_dir)
+    Malformed and torn lines are skipped and listed in Results.skipped; raises BaselineError on a
+    baseline without a run."""
+    records, files, skipped = load_records(results_dir)
     runs = runs_frame(records)
     baseline = pick_baseline(runs, baseline)
-    return Results(runs, steps_frame(records), files, baseline)
+    return Results(runs, steps_frame(records), files, baseline, skipped)
 
 
 def ok(runs: pd.DataFrame) -> pd.DataFrame:

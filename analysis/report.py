@@ -23,6 +23,14 @@ def _speedup_note(baseline: str | None) -> str:
             "bootstrap interval of that ratio (`--baseline NAME` picks another).")
 
 
+def _skipped_lines(skipped) -> list[str]:
+    """The header's account of lines no figure uses: never silent."""
+    if not skipped:
+        return []
+    return [f"{len(skipped)} line(s) of the results could not be read and were skipped:", "",
+            *[f"- `{s}`" for s in skipped], ""]
+
+
 def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
     runs = data.runs
     counts = runs["status"].value_counts().to_dict() if len(runs) else {}
@@ -32,7 +40,7 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
           f"{len(data.files)} file(s) under `{results_dir}`"
           + (": " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + "; "
              + ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) if len(runs) else "")
-          + ".", "",
+          + ".", "", *_skipped_lines(data.skipped),
           "Simulated results come from a cost model, not from training; they are labelled "
           "*simulated* (hatched bars, dashed lines, separate panels). "
           + _speedup_note(data.baseline), "", "## Summary of configurations", ""]

@@ -53,8 +53,11 @@ def _extra_commands():
 
 
 def _dispatch(args) -> int:
+    from bench import records
     from bench.run import runner
     results = args.results or runner.DEFAULT_RESULTS
+    if args.command in ("run", "sweep") and not getattr(args, "dry_run", False) and records.unwritable(results):
+        raise ConfigError(records.unwritable(results))
     if args.command == "run":
         from bench.config import resolve
         from bench.keyvalue import parse_sets

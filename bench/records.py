@@ -1,19 +1,24 @@
 """Result records: one function builds them, one validates them, one appends them.
 
-`results/*.jsonl` is the source of truth; W&B and the figures mirror it.
+`results/*.jsonl` is the source of truth; W&B and the figures mirror it. Readers never lose a
+file to one bad line: a torn last line (what a crash while appending leaves) or a malformed
+line elsewhere is skipped and reported with its file:line (`scan_records`), never silently.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "failed", "skipped")
+# interrupted: stopped from outside (Ctrl-C), not by a fault of the run; a rerun repeats it.
+STATUSES = ("ok", "failed", "skipped", "interrupted")
 MODES = ("measured", "simulated")
 REQUIRED = ("schema_version", "run_id", "mode", "timestamp", "system", "workload", "data_profile",
             "status", "reason", "layout", "num_devices", "steps", "metrics", "config", "env", "tags")
@@ -83,15 +88,30 @@ def validate_record(record: Any) -> None:
                 raise RecordError("a measured ok record needs at least one step")
 
 
+def unwritable(path: Path | str) -> str | None:
+    """Why records cannot be appended to `path` (checked before a launch), or None."""
+    path = Path(path)
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)
+    if folder is None or not folder.is_dir():
+        return f"results folder {path.parent} cannot be created; choose another with --results"
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        return f"results {target} is not writable; fix its permissions or choose another with --results"
+    return None
+
+
 def append_record(record: dict, path: Path | str) -> None:
     """Append one line atomically: an exclusive lock and a single write of the whole line."""
     validate_record(record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line   # end a torn last line first, so it cannot swallow this record
         os.write(fd, line)
         os.fsync(fd)
     finally:
@@ -99,17 +119,41 @@ def append_record(record: dict, path: Path | str) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class SkippedLine:
+    where: str        # "file:line"
+    problem: str
+    torn: bool        # the file's last line without its newline: a crash while appending
+
+    def __str__(self) -> str:
+        what = "torn last line (cut short while being written)" if self.torn else "malformed line"
+        return f"{self.where}: {what}, skipped: {self.problem}"
+
+
+def scan_records(path: Path | str) -> tuple[list[tuple[int, dict]], list[SkippedLine]]:
+    """(line number, record) of every valid line of one file, and the lines skipped."""
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    last = max((i for i, raw in enumerate(lines, 1) if raw.strip()), default=0)
+    good, skipped = [], []
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            validate_record(record)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecordError) as e:
+            torn = lineno == last and not data.endswith(b"\n")
+            skipped.append(SkippedLine(f"{path}:{lineno}", str(e), torn))
+            continue
+        good.append((lineno, record))
+    return good, skipped
+
+
 def read_records(path: Path | str) -> list[dict]:
-    """Every record of one file; a malformed line raises RecordError with file and line."""
-    out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                validate_record(record)
-            except (json.JSONDecodeError, RecordError) as e:
-                raise RecordError(f"{path}:{lineno}: {e}") from None
-            out.append(record)
-    return out
+    """Every valid record of one file; each skipped line is reported on stderr with file:line."""
+    good, skipped = scan_records(path)
+    for s in skipped:
+        print(f"[records] warning: {s}", file=sys.stderr, flush=True)
+    return [record for _, record in good]

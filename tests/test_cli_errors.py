@@ -49,3 +49,27 @@ def test_corrupt_shard_is_one_line_before_launch(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and shard.name in lines[0], proc.stderr
     assert "[bench]" not in proc.stdout and not results.exists()
+
+
+def test_unwritable_results_is_one_line_before_launch(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    results = blocker / "runs.jsonl"                             # its folder can never be created
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--system", "megatron", "--workload", "tiny",
+                           "--results", str(results)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot be created" in lines[0] and "[bench]" not in proc.stdout
+
+
+def test_sweep_finishes_after_a_failure_summarizes_and_exits_nonzero(tmp_path):
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('[defaults]\nsets = { warmup = 0, steps = 3, "data.num_samples" = 32 }\n'
+                     '[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 2\nsets = { seed = [1, 2] }\n')
+    results = tmp_path / "r.jsonl"
+    env = {**__import__("os").environ, "BENCH_INJECT_RANK_EXIT": "1:1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[sweep] 2/2" in proc.stdout                          # the second run ran after the first failed
+    assert proc.stdout.count("[sweep] not ok: megatron tiny") == 2

@@ -4,7 +4,7 @@ from multiprocessing import Process
 
 import pytest
 
-from bench.records import RecordError, append_record, build_record, new_run_id, read_records
+from bench.records import RecordError, append_record, build_record, new_run_id, read_records, scan_records
 from tests.helpers import run_record
 
 
@@ -41,13 +41,28 @@ def test_concurrent_appends_never_interleave(tmp_path):
     assert len(read_records(path)) == 120
 
 
-def test_malformed_line_is_refused_with_file_and_line(tmp_path):
+def test_malformed_line_is_skipped_and_named_with_file_and_line(tmp_path, capsys):
     path = tmp_path / "r.jsonl"
     append_record(_record(), path)
     with open(path, "a") as f:
         f.write(json.dumps({"schema_version": 1}) + "\n")
-    with pytest.raises(RecordError, match=r"r\.jsonl:2: missing keys"):
-        read_records(path)
+    append_record(_record(), path)
+    assert len(read_records(path)) == 2
+    err = capsys.readouterr().err
+    assert "r.jsonl:2: malformed line, skipped: missing keys" in err
+
+
+def test_torn_last_line_is_skipped_and_the_next_append_stays_whole(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    for _ in range(3):
+        append_record(_record(), path)
+    whole = path.read_bytes()
+    path.write_bytes(whole + json.dumps(_record()).encode()[:57])      # a crash mid-append
+    good, skipped = scan_records(path)
+    assert len(good) == 3 and len(skipped) == 1 and skipped[0].torn and skipped[0].where.endswith("r.jsonl:4")
+    append_record(_record(), path)                                     # resuming writes a whole line
+    good, skipped = scan_records(path)
+    assert len(good) == 4 and [s.where.endswith(":4") for s in skipped] == [True] and not skipped[0].torn
 
 
 @pytest.mark.multiprocess

@@ -135,7 +135,7 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
             if r["status"] == "ok" and r["mode"] == "measured":
                 done[_key(r["config"])] = done.get(_key(r["config"]), 0) + 1
     order = interleaved(planned)
-    failures = 0
+    failures = []
     for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
         what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
         if done.get(_key(cfg.to_dict()), 0) >= repeat:
@@ -144,10 +144,18 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
         print(what + (" (dry run)" if dry_run else ""), flush=True)
         if dry_run:
             continue
-        record = runner.run(cfg, layout, results, wandb_mode, quiet=True, repeat=repeat)
-        failures += record["status"] == "failed"
-    print(f"[sweep] done: {len(order)} runs, {failures} failed", flush=True)
-    return 0
+        try:
+            record = runner.run(cfg, layout, results, wandb_mode, quiet=True, repeat=repeat)
+        except KeyboardInterrupt:
+            print(f"[sweep] interrupted at run {n}/{len(order)}; rerun the same command to resume", flush=True)
+            return 130
+        if record["status"] != "ok":           # the remaining runs still run
+            failures.append(f"{cfg.system} {cfg.workload} {layout.label} repeat {repeat}: "
+                            f"{record['status']}: {record['reason']}")
+    print(f"[sweep] done: {len(order)} runs, {len(failures)} not ok", flush=True)
+    for line in failures:
+        print(f"[sweep] not ok: {line}", flush=True)
+    return 1 if failures else 0
 
 
 def interleaved(planned: list[tuple]) -> list[tuple]:
