@@ -29,18 +29,16 @@ class Claim:
 DISTTRAIN = "DistTrain (arXiv 2408.04275)"
 HETERO = "Heterogeneous parallelism (arXiv 2605.27678)"
 MFU_72B = Claim(DISTTRAIN, "54.7% MFU, 72B MLLM on 1172 GPUs", 0.547,
-                "our compute ceiling is an assumed GEMM efficiency (bench/sim/cluster.py: 0.60 of the bf16 "
-                "peak for the backbone, 0.45 for the ViT/DiT, not measured on an H100/H200 yet); the rest is "
-                "pipeline bubble and exposed communication of our searched layout")
+                "compute is capped by an assumed GEMM efficiency, 0.60 of peak for the backbone (bench/sim/"
+                "cluster.py; not measured on an H100/H200 yet); the rest is our plan's bubble and exposed comm")
 MAX_SPEEDUP = Claim(DISTTRAIN, "up to 2.2x Megatron-LM throughput", 2.2,
-                    "our baseline gets its own best layout from the same cost model, and the gain needs a large "
-                    "encoder + generator share of the FLOPs (the map figure); our presets' shares are listed, the "
-                    "paper's workloads are not published in these terms")
+                    "our Megatron gets its best searched layout (SP, vpp, overlap); with few microbatches per DP "
+                    "rank the module pipeline's fill and drain cost more than balancing saves")
 COLOCATED = Claim(HETERO, "colocated heterogeneous layouts: up to +49.3% TFLOPS/GPU", 1.493,
-                  "that paper's gain is at long context with context parallelism in the LLM (our layouts have no "
-                  "CP yet, issue #13); ours is the colocated layout's MFU over the baseline's best")
+                  "that gain is at long context with context parallelism in the LLM; we have no CP yet "
+                  "(issue #13). Ours: the colocated layout's MFU over the baseline's best")
 NON_COLOCATED = Claim(HETERO, "non-colocated heterogeneous layouts: up to +13.0% token throughput", 1.130,
-                      "as above (no CP yet); ours is the disaggregated layout's tokens/s over the baseline's best")
+                      "as above (no CP yet). Ours: the disaggregated layout's tokens/s over the baseline's best")
 
 
 def _best(configs: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -64,7 +62,9 @@ def _where(r) -> str:
 
 
 def paper_rows(runs: pd.DataFrame, baseline: str | None) -> list[dict]:
-    sim = configurations(runs[runs["mode"] == "simulated"]) if len(runs) else pd.DataFrame()
+    # paper-scale and map simulations only: bench validate's simulations of CPU runs are model checks
+    sim = (configurations(runs[(runs["mode"] == "simulated") & (runs["experiment"] != "validation")])
+           if len(runs) else pd.DataFrame())
     rows = []
 
     def row(claim: Claim, ours: str, where: str):
