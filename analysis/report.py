@@ -5,6 +5,7 @@ from pathlib import Path
 
 from analysis.figures import Outcome, draw_all
 from analysis.load import Results, load, sort_key
+from analysis.faults import faults_section
 from analysis.paper import paper_section
 from analysis.tables import (ORDER, ablation_section, cell, headline_section, markdown_table, summary_table,
                              validation_section)
@@ -56,6 +57,7 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
         else:
             md += [f"*Skipped: {o.skipped}.* ({o.caption})", ""]
     md += paper_section(runs, data.baseline)
+    md += faults_section(runs)
     md += validation_section(runs)
     md += ["## Failed and skipped runs", ""]
     bad = runs[runs["status"] != "ok"].sort_values(ORDER, key=sort_key)

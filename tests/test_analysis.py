@@ -399,3 +399,15 @@ def test_headline_gives_the_simulators_prediction_and_the_encoder_heavy_comparis
     assert "## Headline: the encoder-heavy regime" in text and "## Headline: the main comparison" not in text
     line = text.split("- disttrain vs megatron: ")[1].split("\n")[0]
     assert line.endswith("the simulator (bench validate) predicts 1.25×.")
+
+
+def test_faults_section_counts_the_faults_survived(tmp_path):
+    named = _record(0, "megatron", "tiny", 2, status="failed", exp="faults")
+    named["reason"] = "rank 1 killed by SIGKILL at step 2; last lines: ..."
+    vague = _record(1, "disttrain", "tiny", 2, status="failed", exp="faults")
+    vague["reason"] = "exit code 1: Connection closed by peer"
+    named["config"]["fault"], vague["config"]["fault"] = "kill@1:2", "kill@1:2"
+    write_results(tmp_path / "r", [named, vague, _record(2, "megatron", "tiny", 2)])
+    from analysis.faults import faults_section
+    text = "\n".join(faults_section(load_mod.load(tmp_path / "r").runs))
+    assert "Faults survived: 1/2" in text and "**not survived**: `disttrain`" in text

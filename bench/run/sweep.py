@@ -11,6 +11,10 @@
     tags = { experiment = "main" }
     repeat = 5                      # launches of each configuration, one record each
 
+    [[run]]                         # a fault-injection run: it must end as `expect` says
+    sets = { fault = "kill@1:2" }
+    tags = { experiment = "faults", expect = "failed" }
+
 Every entry is resolved and validated before the first process starts, so a typo in the
 last entry fails the sweep at once instead of after an hour. Repeats are interleaved: round r
 runs the r-th repeat of every configuration that asks for one (A B C A B C ..., not
@@ -132,7 +136,7 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
     done: dict[str, int] = {}                  # configuration (with its tags) -> ok records
     for file in results.parent.glob("*.jsonl"):
         for r in records.read_records(file):
-            if r["status"] == "ok" and r["mode"] == "measured":
+            if r["mode"] == "measured" and r["status"] == r["tags"].get("expect", "ok"):
                 done[_key(r["config"])] = done.get(_key(r["config"]), 0) + 1
     order = interleaved(planned)
     failures = []
@@ -149,7 +153,7 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
         except KeyboardInterrupt:
             print(f"[sweep] interrupted at run {n}/{len(order)}; rerun the same command to resume", flush=True)
             return 130
-        if record["status"] != "ok":           # the remaining runs still run
+        if record["status"] != cfg.tags.get("expect", "ok"):      # the remaining runs still run
             failures.append(f"{cfg.system} {cfg.workload} {layout.label} repeat {repeat}: "
                             f"{record['status']}: {record['reason']}")
     print(f"[sweep] done: {len(order)} runs, {len(failures)} not ok", flush=True)
