@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     from workloads.dataset import DatasetError
     try:
         return _dispatch(args)
+    except KeyboardInterrupt:          # the run was recorded (interrupted) and its processes are gone
+        print("interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,9 @@ class RunConfig:
     threads_per_proc: int = 1
     global_batch_size: int = 0         # 0: the workload's
     micro_batch_size: int = 0
-    timeout_s: int = 900               # a hung collective ends the run after this
+    timeout_s: int = 900               # no progress this long ends the run (and a collective times out)
+    # Fault injection for the failure tests, off when empty: KIND@RANK:STEP (FaultSpec).
+    fault: str = ""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict[str, Any] = field(default_factory=dict)   # system options (tp, pp, plan, ...)
@@ -69,6 +71,30 @@ class RunConfig:
         d["data"] = DataConfig(**d.get("data", {}))
         d["optim"] = OptimConfig(**d.get("optim", {}))
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """`--set fault=KIND@RANK:STEP`: at the start of step STEP (numbered as records number
+    steps: from 0, warm-up included) rank RANK kills itself (kill: SIGKILL), stops itself
+    (stop: SIGSTOP), exits (exit: code 3), or trains on non-finite data (nan). Applied by
+    bench.run.faults in the worker, the same way for every system."""
+    kind: str
+    rank: int
+    step: int
+
+    KINDS = ("kill", "stop", "exit", "nan")
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultSpec | None":
+        if not text:
+            return None
+        kind, _, where = str(text).partition("@")
+        rank, _, step = where.partition(":")
+        if kind not in cls.KINDS or not rank.isdigit() or not step.isdigit():
+            raise ConfigError(f"fault={text!r}: write KIND@RANK:STEP with KIND one of {cls.KINDS}, "
+                              f"e.g. fault=kill@1:2")
+        return cls(kind, int(rank), int(step))
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
@@ -147,6 +173,10 @@ def _check(cfg: RunConfig) -> None:
     if cfg.global_batch_size % cfg.micro_batch_size:
         raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of "
                           f"micro_batch_size {cfg.micro_batch_size}")
+    fault = FaultSpec.parse(cfg.fault)
+    if fault and (fault.rank >= cfg.nproc or fault.step >= cfg.warmup + cfg.steps):
+        raise ConfigError(f"fault={cfg.fault!r}: rank must be < --nproc {cfg.nproc} and step < warmup + steps "
+                          f"= {cfg.warmup + cfg.steps} (steps are numbered from 0)")
     if cfg.data.profile not in DATA_PROFILES:
         raise ConfigError(f"unknown data profile {cfg.data.profile!r}; choose one of {sorted(DATA_PROFILES)}")
     if cfg.data.webdataset and cfg.data.profile != "packed":
@@ -163,6 +193,8 @@ def config_key(config: RunConfig | dict) -> str:
     without its tags (which say why it ran, not what ran)."""
     d = config.to_dict() if isinstance(config, RunConfig) else dict(config)
     d.pop("tags", None)
+    if not d.get("fault"):
+        d.pop("fault", None)          # added later: runs without a fault keep their config_key
     if not d.get("data", {}).get("webdataset"):
         # Generated data: hash the keys that existed before data.webdataset, so repeats recorded
         # earlier keep their config_key.

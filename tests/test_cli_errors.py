@@ -64,10 +64,10 @@ def test_unwritable_results_is_one_line_before_launch(tmp_path):
 
 def test_sweep_finishes_after_a_failure_summarizes_and_exits_nonzero(tmp_path):
     sweep = tmp_path / "s.toml"
-    sweep.write_text('[defaults]\nsets = { warmup = 0, steps = 3, "data.num_samples" = 32 }\n'
+    sweep.write_text('[defaults]\nsets = { warmup = 0, steps = 3, "data.num_samples" = 32, fault = "exit@1:1" }\n'
                      '[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 2\nsets = { seed = [1, 2] }\n')
     results = tmp_path / "r.jsonl"
-    env = {**__import__("os").environ, "BENCH_INJECT_RANK_EXIT": "1:1", "WANDB_MODE": "disabled"}
+    env = {**__import__("os").environ, "WANDB_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)],
                           cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr

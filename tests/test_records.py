@@ -66,10 +66,9 @@ def test_torn_last_line_is_skipped_and_the_next_append_stays_whole(tmp_path, cap
 
 
 @pytest.mark.multiprocess
-def test_dead_rank_ends_the_run_and_is_recorded_as_failed(tmp_path, monkeypatch):
-    monkeypatch.setenv("BENCH_INJECT_RANK_EXIT", "1:2")
+def test_dead_rank_ends_the_run_and_is_recorded_as_failed(tmp_path):
     # A collective timeout of an hour: if the run ends, the launcher ended it, not the timeout.
-    record = run_record("megatron", 2, {"steps": 5, "timeout_s": 3600}, tmp_path / "r.jsonl")
+    record = run_record("megatron", 2, {"steps": 5, "timeout_s": 3600, "fault": "exit@1:2"}, tmp_path / "r.jsonl")
     assert record["status"] == "failed"
-    assert record["reason"].startswith("exit code") and "timeout" not in record["reason"]
+    assert record["reason"].startswith("rank 1 exited with code 3 at step 2") and "timeout" not in record["reason"]
     assert read_records(tmp_path / "r.jsonl")[0]["status"] == "failed"

@@ -1,29 +1,40 @@
-"""Launch one run with torchrun, measure it, and append its record (ok, failed or skipped)."""
+"""Launch one run with torchrun, measure it, and append its record (ok, failed or skipped).
+
+A failed run's record keeps the steps completed before the failure and says which rank
+failed, how and at which step (metrics["failure"]; bench.run.supervise); every process of
+the run is gone when `run` returns, whatever happened.
+"""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import subprocess
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from bench import environment, records
 from bench.config import RunConfig, config_key, dumps
-from bench.run import machine
+from bench.run import machine, progress, supervise
 from systems.base import Layout
 from workloads.presets import get_workload
 
 REPO = environment.REPO
 DEFAULT_RESULTS = REPO / "results" / "runs.jsonl"
+RUN_ID_ENV = "BENCH_RUN_ID"          # set in the environment of every process of a run
 
 
-def torchrun_command(cfg: RunConfig, config_file: Path, dataset: Path, out: Path, port: int) -> list[str]:
+def torchrun_command(cfg: RunConfig, config_file: Path, dataset: Path, out: Path, port: int,
+                     work: Path | None = None) -> list[str]:
+    """`work`: a folder for the ranks' progress files and torchrun's per-rank logs."""
+    watch = supervise.torchrun_options(work / "torchrun") if work else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
-            "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-            "-m", "bench.run.worker", "--config", str(config_file), "--dataset", str(dataset), "--out", str(out)]
+            "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", *watch,
+            "-m", "bench.run.worker", "--config", str(config_file), "--dataset", str(dataset), "--out", str(out),
+            *(["--progress", str(work / "progress")] if work else [])]
 
 
 def multinode_hint(cfg: RunConfig, nodes_hint: int = 2) -> str:
@@ -58,25 +69,49 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_file.write_text(dumps(cfg))
-        cmd = torchrun_command(cfg, config_file, dataset, out, environment.free_port())
+        (Path(tmp) / "progress").mkdir()
+        cmd = torchrun_command(cfg, config_file, dataset, out, environment.free_port(), Path(tmp))
         print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
               f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
               flush=True)
         if not quiet:
             print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
         start = time.perf_counter()
-        with _data_service(cfg, dataset) as service_env:
-            rc, tail = _launch(cmd, cfg, log_path, quiet, service_env)
-        raw = json.loads(out.read_text()) if rc == 0 and out.exists() else None
+        service = _data_service(cfg, dataset)
+        with _sigterm_interrupts(), service as service_env:
+            outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
+                              abort=lambda: _preprocess_failure(service))
+        raw = json.loads(out.read_text()) if outcome.rc == 0 and out.exists() else None
         if raw is not None:
             raw["launch_wall_s"] = round(time.perf_counter() - start, 3)
-    record = _record(cfg, layout, run_id, raw, rc, tail, dataset, repeat)
+        failure = outcome.failure or supervise.Failure(f"exit code {outcome.rc} without a result", {"kind": "launch"})
+        kept = progress.read_steps(Path(tmp) / "progress") if raw is None else []
+    record = _record(cfg, layout, run_id, raw, failure, kept, dataset, repeat, outcome.wall_s)
     records.append_record(record, results)
     from bench.run import wandb_mirror
     wandb_mirror.mirror(record, results.parent, wandb_mode)
     status = record["status"] + (f" ({record['reason']})" if record["reason"] else "")
     print(f"[bench] {status}", flush=True)
+    if outcome.interrupted is not None:      # recorded; now stop whatever called us (a sweep stops too)
+        raise outcome.interrupted
     return record
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """`kill PID` of the runner stops the run as Ctrl-C does: its processes killed, a record
+    appended, instead of torchrun and its ranks left running without a parent."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _data_service(cfg: RunConfig, dataset: Path):
@@ -88,57 +123,40 @@ def _data_service(cfg: RunConfig, dataset: Path):
     return contextlib.nullcontext({})
 
 
-def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_env: dict) -> tuple[int, str]:
+def _preprocess_failure(service) -> str | None:
+    """A preprocessing worker that died ends the run now: the trainers waiting on it would
+    only fail later, when their own timeout expires."""
+    failures = getattr(service, "failures", None)
+    return failures[0].split(";")[0] if failures else None
+
+
+def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_env: dict, work: Path,
+            abort) -> supervise.Outcome:
     env = dict(os.environ) | extra_env
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", str(cfg.threads_per_proc))
     env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONUNBUFFERED"] = "1"                 # a rank's last lines reach its log before it dies
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = supervise.PREFIX_TEMPLATE
     env[machine.ROOT_ENV] = str(os.getpid())      # the run's processes: this one and its descendants
     env.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" else "cuda")
-    lines: list[str] = []
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                lines.append(line.rstrip())
-                del lines[:-200]
-                if line.startswith("[bench]") and not quiet:
-                    print(line, end="", flush=True)
-            rc = proc.wait(timeout=cfg.timeout_s + 120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = 124
-            lines.append(f"run exceeded timeout_s={cfg.timeout_s}")
-    return rc, _failure_reason(lines)
+    return supervise.Launch(cmd, env, REPO, log_path, work / "progress", cfg.timeout_s, quiet, abort,
+                            cfg.nproc).run()
 
 
-CONSEQUENCES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer")
-
-
-def _failure_reason(lines: list[str]) -> str:
-    """The most telling line of a failed run: the first rank error that is not merely
-    another rank noticing the failure, else the last line."""
-    errors = []
-    for line in lines:
-        text = line.split("]:", 1)[-1].strip() if line.startswith("[rank") else line.strip()
-        if any(k in text for k in ("Error:", "Exception:", "error:")):
-            errors.append(text)
-    causes = [e for e in errors if not any(c in e for c in CONSEQUENCES)]
-    if causes or errors:
-        return (causes or errors)[0][:400]
-    return (lines[-1] if lines else "no output")[:400]
-
-
-def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str, dataset: Path,
-            repeat: int = 1) -> dict:
+def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, failure: supervise.Failure, kept: list[dict],
+            dataset: Path, repeat: int = 1, wall_s: float = 0.0) -> dict:
     common = dict(run_id=run_id, system=cfg.system, workload=cfg.workload, data_profile=cfg.data.profile,
                   layout=layout.as_dict(), num_devices=layout.num_devices, config=cfg.to_dict(),
                   env=environment.describe(cfg.device, cfg.nproc, cfg.backend), tags=cfg.tags,
                   config_key=config_key(cfg), repeat=repeat)
     if raw is None:
-        return records.build_record(status="failed", reason=f"exit code {rc}: {tail}", **common)
+        # Every step rank 0 completed (warm-up ones flagged), NaN and infinities as null.
+        metrics = {"failure": failure.details | {"wall_s": round(wall_s, 3)}}
+        # Stopped from outside (Ctrl-C, SIGTERM) is not a fault of the run: a rerun repeats it.
+        status = "interrupted" if failure.details.get("kind") == "interrupted" else "failed"
+        return records.build_record(status=status, reason=failure.reason, steps=kept,
+                                    metrics=progress.finite(metrics), **common)
     from bench.data.source import DataPlan
     from bench.run.measure import metrics_from_run
     from workloads.loader import DatasetReader
@@ -148,4 +166,5 @@ def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, rc: int, tail: str
                     layout.canonical_groups)
     metrics = metrics_from_run(raw, plan, layout)
     steps = [s for s in raw["steps"] if not s["warmup"]]
-    return records.build_record(status="ok", steps=steps, metrics=metrics, **common)
+    return records.build_record(status="ok", steps=progress.finite(steps), metrics=progress.finite(metrics),
+                                **common)

@@ -1,14 +1,18 @@
 """The per-rank training loop that torchrun starts: warm-up steps, then measured steps.
 
 Rank 0 writes the timings, losses and memory to a JSON file that the runner turns into a
-record. Nothing here knows which system it runs.
+record; while the run goes, every rank reports its progress (bench.run.progress) so that a
+failure keeps what was measured and names the rank. A non-finite loss stops every rank at
+that step. Nothing here knows which system it runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +22,8 @@ import torch.distributed as dist
 
 from bench.config import RunConfig
 from bench.run import machine
+from bench.run.faults import Injector
+from bench.run.progress import NONFINITE_EXIT, Progress
 from bench.metrics import peak_flops_per_device
 from systems.base import TIMELINE_KINDS, Layout, TrainContext, get_system
 from workloads.presets import Workload, get_workload
@@ -56,14 +62,20 @@ def _make_source(cfg: RunConfig, workload: Workload, dataset: Path, device, rank
     return ColocatedSource(plan, cfg.seed, device), plan
 
 
-def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
+def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    progress = Progress(progress_dir, rank)
     phases = machine.Phases()          # where a launch's fixed cost goes (rank 0's view)
-    phases.mark("imports")             # interpreter start to here: Python, torch, our modules
+
+    def mark(phase: str) -> None:
+        phases.mark(phase)
+        progress.beat(phase)
+
+    mark("imports")                    # interpreter start to here: Python, torch, our modules
     torch.set_num_threads(cfg.threads_per_proc)
     device = _device(cfg)
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
-    phases.mark("init_process_group")
+    mark("init_process_group")
     workload = get_workload(cfg.workload, cfg.data.profile)
     adapter = get_system(cfg.system)
     layout = adapter.layout(cfg.options, cfg.nproc, workload, cfg.global_batch_size, cfg.micro_batch_size)
@@ -73,21 +85,21 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     dist.barrier()
     peak, peak_source = peak_flops_per_device(device.type, cfg.dtype,
                                               torch.cuda.get_device_name() if device.type == "cuda" else "")
-    phases.mark("peak_flops")
+    mark("peak_flops")
 
     source, plan = _make_source(cfg, workload, dataset, device, rank, layout)
+    injector = Injector(cfg.fault, rank)        # the fault hook: nothing unless cfg.fault names this rank
     ctx = TrainContext(options=cfg.options, seed=cfg.seed, optim=cfg.optim, global_batch_size=cfg.global_batch_size,
                        micro_batch_size=cfg.micro_batch_size, workload=workload, layout=layout, rank=rank,
-                       world_size=world, device=device, dtype=dtype, data=source)
+                       world_size=world, device=device, dtype=dtype, data=injector.wrap(source))
     adapter.setup(ctx)
-    phases.mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
+    mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
     steps = []
     total = cfg.warmup + cfg.steps
-    fault = _fault_injection()
     machine_start = None
     for step in range(total):
-        if fault == (rank, step):
-            os._exit(17)       # a rank dying mid-run, for the failure tests
+        progress.beat("step", step)
+        injector.before_step(step)
         if step == cfg.warmup and rank == 0:     # before the barrier: every rank starts the step together
             machine_start = machine.snapshot()
         dist.barrier()
@@ -101,9 +113,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
         losses = torch.tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(losses)
         losses /= cfg.global_batch_size
-        # Per-rank busy and data-wait times, gathered as plain tensors.
-        busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before]
-        gathered = [torch.zeros(4, dtype=torch.float64, device=device) for _ in range(world)]
+        # Per-rank busy and data-wait times and loss sums, gathered as plain tensors.
+        busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum]
+        gathered = [torch.zeros(5, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
         if rank == 0:
             per_rank = [g.tolist() for g in gathered]
@@ -115,12 +127,15 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
                 "module_busy_s": {m: max(r[i] for r in per_rank) for i, m in enumerate(MODULES)},
             }
             steps.append(entry)
+            progress.step_done(entry)
             print(f"[bench] step {step + 1}/{total}{' (warm-up)' if step < cfg.warmup else ''} "
                   f"loss {entry['loss']:.5f} {latency:.3f} s", flush=True)
+        if not torch.isfinite(losses).all():     # reduced, so every rank sees it and all stop here
+            _stop_nonfinite(step, losses.tolist(), [g[4].item() for g in gathered], rank, progress)
         if step == total - 1 and adapter.records_timeline:
             _attach_timeline(steps, result.timeline, rank, world, device)
     machine_load = machine.outside_load(machine_start, machine.snapshot()) if rank == 0 else None
-    phases.mark("steps")
+    mark("steps")
     updates = adapter.weight_updates()
     update_norms = None
     if updates is not None:
@@ -137,10 +152,10 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     peak_mean = peak_t.item() / world
     mem = torch.tensor([_peak_memory_gib(device)], dtype=torch.float64, device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    phases.mark("final_peak_flops")
+    mark("final_peak_flops")
     adapter.teardown()
     source.close()
-    phases.mark("teardown")
+    mark("teardown")
     if rank == 0:
         payload = {"steps": steps, "peak_flops_per_device": peak_mean, "peak_flops_source": peak_source,
                    "peak_memory_gib": mem.item(), "world_size": world,
@@ -153,13 +168,20 @@ def train(cfg: RunConfig, dataset: Path, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _fault_injection() -> tuple[int, int] | None:
-    """BENCH_INJECT_RANK_EXIT=RANK:STEP makes that rank exit abruptly before that step."""
-    spec = os.environ.get("BENCH_INJECT_RANK_EXIT")
-    if not spec:
-        return None
-    rank, step = spec.split(":")
-    return int(rank), int(step)
+def _stop_nonfinite(step: int, losses: list[float], local_sums: list[float], rank: int, progress: Progress) -> None:
+    """Training on past a NaN or infinite loss only measures garbage: every rank ends here
+    (exit NONFINITE_EXIT) once rank 0 has said so, naming the ranks whose own loss sum was
+    not finite (those that computed a loss from non-finite inputs or weights)."""
+    if rank == 0:
+        ranks = [r for r, v in enumerate(local_sums) if not math.isfinite(v)]
+        progress.failed({"kind": "nonfinite_loss", "step": step, "ranks": ranks,
+                         "loss": repr(losses[0]), "lm_loss": repr(losses[1]), "gen_loss": repr(losses[2])})
+        print(f"[bench] non-finite loss {losses[0]} at step {step} (loss sums of ranks {ranks}); stopping every rank",
+              file=sys.stderr, flush=True)
+    dist.barrier()             # the note is written before any rank exits and torchrun tears the group down
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(NONFINITE_EXIT)   # no teardown: the group is abandoned by every rank at once
 
 
 def _attach_timeline(steps, timeline, rank, world, device) -> None:
@@ -187,8 +209,9 @@ def main() -> None:
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--dataset", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--progress", type=Path, default=None, help="directory for heartbeats and completed steps")
     a = p.parse_args()
-    train(RunConfig.from_dict(json.loads(a.config.read_text())), a.dataset, a.out)
+    train(RunConfig.from_dict(json.loads(a.config.read_text())), a.dataset, a.out, a.progress)
 
 
 if __name__ == "__main__":
