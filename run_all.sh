@@ -9,7 +9,7 @@ scripts/setup_env.sh
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 py=.venv/bin/python
 # The profile first: plan=auto and the simulator's CPU model read it.
-for workload in small small-enc-heavy; do
+for workload in small small-enc-heavy tiny; do
     [ -f "results/profiles/cpu-$workload.json" ] || $py -m bench profile --workload "$workload"
 done
 # A failed run does not stop the job: validation and the report still run, then the sweep's
