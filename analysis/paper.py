@@ -21,23 +21,22 @@ from analysis.tables import markdown_table
 @dataclass(frozen=True)
 class Claim:
     paper: str
-    claim: str
-    value: float          # the paper's number: an MFU fraction or a ratio
+    claim: str            # quoted from the paper's abstract, its number included
     differs: str
 
 
 DISTTRAIN = "DistTrain (arXiv 2408.04275)"
 HETERO = "Heterogeneous parallelism (arXiv 2605.27678)"
-MFU_72B = Claim(DISTTRAIN, "54.7% MFU, 72B MLLM on 1172 GPUs", 0.547,
+MFU_72B = Claim(DISTTRAIN, "54.7% MFU, 72B MLLM on 1172 GPUs",
                 "compute is capped by an assumed GEMM efficiency, 0.60 of peak for the backbone (bench/sim/"
                 "cluster.py; not measured on an H100/H200 yet); the rest is our plan's bubble and exposed comm")
-MAX_SPEEDUP = Claim(DISTTRAIN, "up to 2.2x Megatron-LM throughput", 2.2,
+MAX_SPEEDUP = Claim(DISTTRAIN, "up to 2.2x Megatron-LM throughput",
                     "our Megatron gets its best searched layout (SP, vpp, overlap); with few microbatches per DP "
                     "rank the module pipeline's fill and drain cost more than balancing saves")
-COLOCATED = Claim(HETERO, "colocated heterogeneous layouts: up to +49.3% TFLOPS/GPU", 1.493,
+COLOCATED = Claim(HETERO, "colocated heterogeneous layouts: up to +49.3% TFLOPS/GPU",
                   "that gain is at long context with context parallelism in the LLM; we have no CP yet "
                   "(issue #13). Ours: the colocated layout's MFU over the baseline's best")
-NON_COLOCATED = Claim(HETERO, "non-colocated heterogeneous layouts: up to +13.0% token throughput", 1.130,
+NON_COLOCATED = Claim(HETERO, "non-colocated heterogeneous layouts: up to +13.0% token throughput",
                       "as above (no CP yet). Ours: the disaggregated layout's tokens/s over the baseline's best")
 
 

@@ -9,7 +9,6 @@ installed only when the run's device is the CPU; on GPUs nothing here is touched
 from __future__ import annotations
 
 import contextlib
-import types
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -6,7 +6,7 @@ keep the same structure at CPU size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from workloads.profiles import DATA_PROFILES, DataProfile
 
