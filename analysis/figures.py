@@ -15,6 +15,7 @@ from analysis import fig_perf  # noqa: F401,I001
 from analysis import fig_ablation  # noqa: F401
 from analysis import fig_traces  # noqa: F401
 from analysis import fig_map  # noqa: F401
+from analysis import fig_hetero  # noqa: F401
 from analysis.load import Results
 from analysis.style import CAPTIONS, DPI, FIGURES, NoData
 

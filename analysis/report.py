@@ -6,6 +6,7 @@ from pathlib import Path
 from analysis.figures import Outcome, draw_all
 from analysis.load import Results, load, sort_key
 from analysis.faults import faults_section
+from analysis.heterogeneous import heterogeneous_section
 from analysis.paper import paper_section
 from analysis.tables import (ORDER, ablation_section, cell, headline_section, markdown_table, summary_table,
                              validation_section)
@@ -14,7 +15,8 @@ TITLES = {"throughput": "Throughput", "mfu": "Model FLOPs utilization", "speedup
           "Speedup over the baseline", "scaling": "Scaling with device count",
           "map": "Where disaggregation pays (simulated)", "orchestration":
           "Ablation: orchestration plan", "reorder": "Ablation: data reordering", "preprocess":
-          "Ablation: data preprocessing", "loss": "Loss curves", "timeline": "Iteration timeline"}
+          "Ablation: data preprocessing", "loss": "Loss curves", "timeline": "Iteration timeline",
+          "heterogeneous": "Heterogeneous parallelism at long context (simulated)"}
 def _speedup_note(baseline: str | None) -> str:
     if baseline is None:
         return ("No speedup is given: no registered baseline system has a successful run "
@@ -57,6 +59,7 @@ def render(data: Results, outcomes: list[Outcome], results_dir: Path) -> str:
         else:
             md += [f"*Skipped: {o.skipped}.* ({o.caption})", ""]
     md += paper_section(runs, data.baseline)
+    md += heterogeneous_section(runs)
     md += faults_section(runs)
     md += validation_section(runs)
     md += ["## Failed and skipped runs", ""]

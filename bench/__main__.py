@@ -13,6 +13,25 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wandb-mode", default=None, help="offline (default), online or disabled; or set WANDB_MODE")
 
 
+# --slurm-KEY overrides [slurm] KEY of the sweep file (bench.run.slurm.Settings), for --launcher slurm.
+SLURM_FLAGS = {
+    "executor": (str, "slurm (sbatch, default) or local: submitit's LocalExecutor, the jobs as local processes"),
+    "partition": (str, "SLURM partition"), "account": (str, "SLURM account"), "qos": (str, "SLURM QOS"),
+    "constraint": (str, "SLURM node constraint"), "time_min": (int, "each job's time limit in minutes (60)"),
+    "gpus_per_node": (int, "ranks per node (8): nodes = ceil(nproc / this)"),
+    "cpus_per_task": (int, "CPUs per node's task (default ranks x threads_per_proc)"),
+    "mem_gb": (float, "memory per node in GB (default: the partition's)"),
+    "max_jobs": (int, "jobs in flight at once (0: all; the local executor: 1)"),
+    "folder": (str, "submitit's job files and logs (default <results folder>/slurm)"),
+}
+
+
+def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
+    for key, (kind, text) in SLURM_FLAGS.items():
+        p.add_argument(f"--slurm-{key.replace('_', '-')}", dest=f"slurm_{key}", type=kind, default=None,
+                       metavar=kind.__name__.upper(), help=text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description="disttrain-bench runner")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("file", type=Path)
     sweep.add_argument("--dry-run", action="store_true",
                        help="validate every entry and print the order of the runs, launching nothing")
+    sweep.add_argument("--launcher", default="local", metavar="local|slurm",
+                       help="local (default): one run after another on this machine; slurm: each run a SLURM "
+                            "job through submitit (settings: the file's [slurm] table, --slurm-* flags)")
+    _add_slurm_flags(sweep)
     _add_common(sweep)
     for name, module in _extra_commands():
         module.add_parser(sub)
@@ -77,7 +100,8 @@ def _dispatch(args) -> int:
         return 0 if all(s == "ok" for s in statuses) else 1
     if args.command == "sweep":
         from bench.run.sweep import run_sweep
-        return run_sweep(args.file, results, args.wandb_mode, dry_run=args.dry_run)
+        return run_sweep(args.file, results, args.wandb_mode, dry_run=args.dry_run, launcher=args.launcher,
+                         slurm_flags={k: getattr(args, f"slurm_{k}") for k in SLURM_FLAGS})
     return args.handler(args, results)
 
 

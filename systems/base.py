@@ -102,6 +102,7 @@ class StepOutput:
     loss_sum: float = 0.0
     lm_loss_sum: float = 0.0
     gen_loss_sum: float = 0.0
+    grad_norm: float | None = None   # the global gradient norm before clipping, where the optimizer gives it
     module_busy_s: dict[str, float] = field(default_factory=dict)   # this rank's compute time per module
     timeline: list[TimelineEvent] = field(default_factory=list)     # only if records_timeline
 
@@ -185,17 +186,19 @@ class SystemAdapter(ABC):
         return importlib.import_module(self.sim_module).simulate_step(layout, step, kit)
 
     def search_layout(self, workload: Workload, num_devices: int, cluster, kit, *, seed: int,
-                      global_batch_size: int, micro_batch_size: int, exact: bool) -> dict[str, Any] | None:
+                      global_batch_size: int, micro_batch_size: int, exact: bool,
+                      fixed: dict | None = None) -> dict[str, Any] | None:
         """The options of the fastest layout the cost model finds (plus "estimate_s" and what
         the search did), or None if nothing fits. exact=True: a layout `bench run` can run on
         exactly `num_devices` processes (plan=auto); False: any layout of at most that many,
         possibly with the batch rounded to fit its data parallelism (then "global_batch_size"
-        says which, kit.estimate.rounded_batch; compare such layouts per sample)."""
+        says which, kit.estimate.rounded_batch; compare such layouts per sample). `fixed`: options
+        the search must keep (e.g. disttrain's placement); a search that cannot keep one refuses."""
         if self.sim_module is None:
             raise ConfigError(f"system {self.name!r} has no layout search; give its layout explicitly")
         return importlib.import_module(self.sim_module).search(
             workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size, exact=exact)
+            micro_batch_size=micro_batch_size, exact=exact, fixed=fixed or {})
 
     @classmethod
     def has_cost_model(cls) -> bool:

@@ -141,3 +141,15 @@ def install() -> CudaToCpuMode:
     _mode.__enter__()
     _installed = True
     return _mode
+
+
+def import_deepspeed(device: torch.device):
+    """`import deepspeed`; on the CPU without the shared-memory all-reduce op its CPU backend
+    compiles (g++, ~40 s) when it first wraps the process group: only inference uses it."""
+    import deepspeed
+    if device.type == "cpu":
+        import sys
+        import deepspeed.comm.torch  # noqa: F401
+        # sys.modules: `deepspeed.comm.torch` as an attribute is the torch package.
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return deepspeed

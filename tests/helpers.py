@@ -24,3 +24,8 @@ def assert_parity(record: dict, reference: dict, rel: float = 1e-4) -> None:
     assert len(got) == len(want) == 5
     for step, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= rel * abs(w), f"step {step}: {g} vs reference {w} ({record['layout']['label']})"
+    # Adam hides a gradient off by a constant factor from the loss; the norm before clipping does not.
+    for step, (g, w) in enumerate(zip(record["steps"], reference["steps"])):
+        if "grad_norm" in g and "grad_norm" in w:
+            assert abs(g["grad_norm"] - w["grad_norm"]) <= rel * w["grad_norm"], \
+                f"step {step}: gradient norm {g['grad_norm']} vs reference {w['grad_norm']}"

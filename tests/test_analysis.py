@@ -65,7 +65,7 @@ def _record(i, system, workload, n, *, mode="measured", status="ok", layout=None
             speed=None, data=None, tags=None, extra=None, timeline=True):
     speed = SYSTEM_SPEED[system] if speed is None else speed
     label = layout or LAYOUTS[system][0].format(n=n, h=max(n // 2, 1))
-    base = {"tiny": 8.0, "small": 3.0, "mllm-9b": 40.0, "mllm-15b": 25.0, "mllm-72b": 6.0}[workload]
+    base = {"tiny": 8.0, "small": 3.0, "mllm-9b": 40.0, "mllm-15b": 25.0, "mllm-72b": 6.0, "long-64k": 4.0}[workload]
     kw = dict(run_id=f"r{i:03d}", system=system, workload=workload, data_profile="heterogeneous",
               status=status, layout={"label": label}, num_devices=n, mode=mode, env={},
               config={"data": data or {"reorder": "none", "preprocess": "colocated"}},
@@ -74,7 +74,7 @@ def _record(i, system, workload, n, *, mode="measured", status="ok", layout=None
         return build_record(**kw, reason=f"{system} {status}: out of memory | at step 3")
     if mode == "simulated":
         return build_record(**kw, assumptions={"cost_model": "roofline"},
-                            metrics=_metrics(base * speed * n / 64, n, iteration_time_s=1.0))
+                            metrics=_metrics(base * speed * n / 64, n, iteration_time_s=1.0, **(extra or {})))
     return build_record(**kw, steps=_steps(20, speed, n, i, timeline),
                         metrics=_metrics(base * speed * n / 2, n, **(extra or {})))
 
@@ -101,6 +101,12 @@ def synthetic_records() -> list[dict]:
     for prep, speed, wait in (("colocated", 1.1, 0.3), ("disaggregated", 1.45, 0.02)):
         recs.append(_record(next(i), "disttrain", "small", 4, exp="preprocess", speed=speed,
                             data={"preprocess": prep}, extra={"data_wait_fraction": wait}))
+    for n in (64, 256):          # the three configurations of arXiv 2605.27678, simulated
+        for system, configuration, speed in (("megatron", "homogeneous", 1.0), ("disttrain", "colocated", 1.3),
+                                             ("disttrain", "non-colocated", 1.1)):
+            recs.append(_record(next(i), system, "long-64k", n, mode="simulated", exp="heterogeneous-sim",
+                                speed=speed, tags={"configuration": configuration},
+                                extra={"tflops_per_gpu": 300.0 * speed}))
     recs.append(_record(next(i), "deepspeed", "mllm-15b", 64, status="failed"))
     recs.append(_record(next(i), "megatron", "mllm-15b", 64, status="skipped"))
     return recs
@@ -411,3 +417,15 @@ def test_faults_section_counts_the_faults_survived(tmp_path):
     from analysis.faults import faults_section
     text = "\n".join(faults_section(load_mod.load(tmp_path / "r").runs))
     assert "Faults survived: 1/2" in text and "**not survived**: `disttrain`" in text
+
+
+def test_heterogeneous_section_gives_gains_over_homogeneous_beside_the_papers(data):
+    from analysis.fig_hetero import configurations_frame
+    from analysis.heterogeneous import heterogeneous_section
+    df = configurations_frame(data.runs)
+    assert len(df) == 6 and set(df["configuration"]) == {"homogeneous", "colocated", "non-colocated"}
+    colocated = df[df["configuration"] == "colocated"]
+    assert colocated["gain_tflops_per_gpu"].round(6).tolist() == [0.3, 0.3]
+    text = "\n".join(heterogeneous_section(data.runs))
+    assert "colocated, tflops per gpu: paper up to +49.3%; model up to +30.0% (long-64k, 64 GPUs)" in text
+    assert "non-colocated, tokens per s: paper up to +13.0%; model up to +10.0%" in text

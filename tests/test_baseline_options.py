@@ -138,11 +138,16 @@ def test_vpp_estimate_close_to_simulation_and_shrinks_bubble():
 
 # ---------------------------------------------------------------- layouts, labels, search
 
+NO_CP = {"cp": 1, "cp_comm": "a2a", "attention": "local"}     # issue #13's options at their defaults
+
+
 @pytest.mark.parametrize("label, options", [
-    ("tp8-pp10-dp12", {"tp": 8, "pp": 10, "dp": 12, "vpp": 1, "sp": False, "overlap": False, "recompute": False}),
-    ("tp2-pp4-dp8-rc", {"tp": 2, "pp": 4, "dp": 8, "vpp": 1, "sp": False, "overlap": False, "recompute": True}),
+    ("tp8-pp10-dp12", {"tp": 8, "pp": 10, "dp": 12, "vpp": 1, "sp": False, "overlap": False, "recompute": False,
+                       **NO_CP}),
+    ("tp2-pp4-dp8-rc", {"tp": 2, "pp": 4, "dp": 8, "vpp": 1, "sp": False, "overlap": False, "recompute": True,
+                        **NO_CP}),
     ("tp8-pp2-dp32-vpp5-sp-ov", {"tp": 8, "pp": 2, "dp": 32, "vpp": 5, "sp": True, "overlap": True,
-                                 "recompute": False}),
+                                 "recompute": False, **NO_CP}),
 ])
 def test_megatron_labels_old_and_new_round_trip(label, options):
     adapter = get_system("megatron")
@@ -222,7 +227,8 @@ def test_interleaved_pipeline_reproduces_plain_1f1b(tmp_path):
 def test_disttrain_overlap_is_simulated_only_and_never_slower():
     adapter, w = get_system("disttrain"), get_workload("mllm-9b")
     plan = {"plan": "enc:1x4,llm:2x2x4,gen:1x4", "placement": "disaggregated", "recompute": False}
-    assert adapter.options_from_label("enc:1x4,llm:2x2x4,gen:1x4-rc-ov") == {**plan, "recompute": True, "overlap": True}
+    assert adapter.options_from_label("enc:1x4,llm:2x2x4,gen:1x4-rc-ov") == {**plan, "recompute": True, "overlap": True,
+                                                                              "cp_comm": "a2a"}
     with pytest.raises(ConfigError, match="simulator only"):
         adapter.layout({**plan, "overlap": True}, 24, w, 64, 1)
     with pytest.raises(ConfigError, match="disaggregated placement only"):

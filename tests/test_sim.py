@@ -485,7 +485,7 @@ def test_backbone_is_not_forced_to_a_power_of_two():
     # GPUs (tp4-pp10-dp8), leaving 190 to modules doing 0.1% of the work.
     plan = best_plan("mllm-72b", 512, global_batch_size=1024, recompute=(False,))
     K = plan["backbone"]
-    assert K["tp"] * K["pp"] * K["dp"] > 320
+    assert K["tp"] * K["cp"] * K["pp"] * K["dp"] > 320
     assert abs(plan["global_batch_size"] - 1024) <= 0.05 * 1024
 
 
@@ -493,10 +493,11 @@ def test_megatron_uses_the_spare_gpus_and_few_interleaving_chunks():
     w = get_workload("mllm-72b")
     best = best_megatron_layout(w, 1172, global_batch_size=1024)
     o = best["options"]
-    assert o["tp"] * o["pp"] * o["dp"] > 1024                 # 1172 = 1024 + 148: not a power-of-two DP
+    assert o["tp"] * o["cp"] * o["pp"] * o["dp"] > 1024       # 1172 = 1024 + 148: not a power-of-two DP
     st = dataclasses.replace(work_stats(w, 1024, 1), B=best["global_batch_size"])    # as the search prices it
     def t(v):
-        return megatron_sim.estimate(w, st, H100, KIT, o["tp"], o["pp"], o["dp"], o["recompute"], o["sp"], v, True)
+        return megatron_sim.estimate(w, st, H100, KIT, o["tp"], o["pp"], o["dp"], o["recompute"], o["sp"], v, True,
+                                     o["cp"], o["cp_comm"])
     chunks = [v for v in range(1, 80 // o["pp"] + 1) if (80 // o["pp"]) % v == 0]
     top = min(t(v) for v in chunks)
     assert t(o["vpp"]) <= (1 + megatron_sim.VPP_TOLERANCE) * top

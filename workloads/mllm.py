@@ -20,7 +20,8 @@ from workloads.model import Backbone, ImageEncoder, ImageGenerator, module_confi
 
 class MLLMStage(MegatronModule):
     def __init__(self, workload, *, tp_size: int, pp_size: int, pp_rank: int, pg, dtype: torch.dtype, seed: int,
-                 sequence_parallel: bool = False, vpp_size: int = 1, vp_stage: int | None = None):
+                 sequence_parallel: bool = False, vpp_size: int = 1, vp_stage: int | None = None,
+                 attention: str = "local"):
         b = workload.backbone
         config = module_config(b, tp_size=tp_size, pp_size=pp_size, gated=True, dtype=dtype,
                                num_query_groups=b.num_query_groups)
@@ -38,15 +39,15 @@ class MLLMStage(MegatronModule):
         init = dict(seed=seed, tp_rank=tp_rank, tp_size=tp_size)
         if self.pre_process:
             self.encoder = ImageEncoder(workload, module_config(workload.encoder, tp_size=tp_size, gated=False,
-                                                                dtype=dtype), pg)
+                                                                dtype=dtype), pg, attention)
             canonical_init_(self.encoder, prefix="encoder", **init)
         self.backbone = Backbone(workload, config, pg, pre_process=self.pre_process, post_process=self.post_process,
-                                 vp_stage=vp_stage)
+                                 vp_stage=vp_stage, attention=attention)
         offset = self.backbone.decoder.layers[0].layer_number - 1 if len(self.backbone.decoder.layers) else 0
         canonical_init_(self.backbone, prefix="backbone", layer_offset=offset, gated=True, **init)
         if self.post_process:
             self.generator = ImageGenerator(workload, module_config(workload.generator, tp_size=tp_size,
-                                                                    gated=False, dtype=dtype), pg)
+                                                                    gated=False, dtype=dtype), pg, attention)
             canonical_init_(self.generator, prefix="generator", **init)
 
     def set_input_tensor(self, input_tensor) -> None:

@@ -10,16 +10,20 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
-                                           gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region)
+                                           gather_from_sequence_parallel_region,
+                                           reduce_from_tensor_model_parallel_region,
+                                           scatter_to_sequence_parallel_region)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from workloads.attention import core_attention
 from workloads.batch import MicroBatch
 from workloads.flops import TIMESTEP_FREQ_DIM
 from workloads.losses import vocab_parallel_cross_entropy
@@ -57,8 +61,9 @@ class SequenceParallelNorm:
 
 
 def _block(config: TransformerConfig, pg, *, causal: bool, pre_process=True, post_process=True,
-           vp_stage: int | None = None) -> TransformerBlock:
+           vp_stage: int | None = None, attention: str = "local", cp_group=None) -> TransformerBlock:
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec.submodules.self_attention.submodules.core_attention = core_attention(attention, cp_group)
     if not causal:
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
     if config.sequence_parallel:
@@ -68,6 +73,12 @@ def _block(config: TransformerConfig, pg, *, causal: bool, pre_process=True, pos
         spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
     return TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process, pg_collection=pg,
                             vp_stage=vp_stage)
+
+
+def layers_only(config: TransformerConfig, pg, *, causal: bool, attention: str = "local") -> TransformerBlock:
+    """A module's transformer layers exactly as the modules build them, without the final norm
+    (bench.profile.gpu times single layers of the paper-scale shapes with it)."""
+    return _block(config, pg, causal=causal, post_process=False, attention=attention)
 
 
 def _seq_first(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +103,7 @@ class ImageEncoder(torch.nn.Module):
     sequence positions and zeros elsewhere; the backbone adds it to the text embeddings.
     """
 
-    def __init__(self, w: Workload, config: TransformerConfig, pg):
+    def __init__(self, w: Workload, config: TransformerConfig, pg, attention: str = "local"):
         super().__init__()
         e = w.encoder
         self.seq_length, self.out_hidden = w.backbone.seq_length, w.backbone.hidden_size
@@ -100,7 +111,7 @@ class ImageEncoder(torch.nn.Module):
         self.merge = e.token_merge
         max_patches = max(w.image_patches(r) for r in e.resolutions)
         self.pos_embed = torch.nn.Parameter(torch.zeros(max_patches, e.hidden_size, dtype=config.params_dtype))
-        self.vit = _block(config, pg, causal=False)
+        self.vit = _block(config, pg, causal=False, attention=attention)
         self.proj_in = torch.nn.Linear(e.hidden_size * self.merge ** 2, self.out_hidden, bias=False,
                                        dtype=config.params_dtype)
         self.proj_out = torch.nn.Linear(self.out_hidden, self.out_hidden, bias=False, dtype=config.params_dtype)
@@ -121,13 +132,23 @@ class ImageEncoder(torch.nn.Module):
         return canvas
 
 class Backbone(torch.nn.Module):
-    """Llama-style decoder (or this pipeline stage's slice of it)."""
+    """Llama-style decoder (or this pipeline stage's slice of it).
+
+    With context parallelism (`pg.cp` larger than 1) each CP rank holds a contiguous 1/CP of
+    the sequence from the embedding on; attention is DeepSpeed Ulysses (workloads.attention).
+    The LM loss sums its per-sample numerator over CP; the conditioning states, which lie on
+    the last CP rank, reach every CP rank (the generator runs replicated on each)."""
 
     def __init__(self, w: Workload, config: TransformerConfig, pg, *, pre_process=True, post_process=True,
-                 vp_stage: int | None = None):
+                 vp_stage: int | None = None, attention: str = "local"):
         super().__init__()
         b = w.backbone
         self.pre_process, self.post_process, self.tp_group = pre_process, post_process, pg.tp
+        cp_group = getattr(pg, "cp", None)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        if self.cp_group is not None and b.seq_length // self.cp_group.size() < w.generator.num_cond_tokens:
+            raise ValueError(f"cp={self.cp_group.size()} leaves fewer than the generator's "
+                             f"{w.generator.num_cond_tokens} conditioning tokens on the last CP rank")
         # Sequence parallel: hidden states between layers (and stages) are [s / TP, b, h].
         self.sequence_parallel = config.sequence_parallel
         self.num_cond_tokens = w.generator.num_cond_tokens
@@ -136,15 +157,28 @@ class Backbone(torch.nn.Module):
             self.embedding = VocabParallelEmbedding(b.vocab_size, b.hidden_size, init_method=init,
                                                     config=config, tp_group=pg.tp)
         self.rotary = RotaryEmbedding(kv_channels=b.hidden_size // b.num_attention_heads, rotary_percent=1.0,
-                                      cp_group=pg.cp)
+                                      cp_group=cp_group)
         self.decoder = _block(config, pg, causal=True, pre_process=pre_process, post_process=post_process,
-                              vp_stage=vp_stage)
+                              vp_stage=vp_stage, attention=attention, cp_group=self.cp_group)
         if post_process:
             self.output_layer = ColumnParallelLinear(b.hidden_size, b.vocab_size, config=config, init_method=init,
                                                      bias=False, gather_output=False, tp_group=pg.tp)
 
     def set_input_tensor(self, tensor):
         self.decoder.set_input_tensor(tensor)
+
+    def _cp_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """This CP rank's contiguous slice of a sequence-first tensor (all of it without CP)."""
+        if self.cp_group is None:
+            return x
+        n = x.shape[0] // self.cp_group.size()
+        return x[self.cp_group.rank() * n:(self.cp_group.rank() + 1) * n]
+
+    def _rope(self, seq_length: int) -> torch.Tensor:
+        # megatron's RotaryEmbedding slices for its zig-zag CP split; Ulysses keeps contiguous chunks.
+        if self.cp_group is None:
+            return self.rotary(seq_length)
+        return self._cp_chunk(self.rotary.get_emb(seq_length))
 
     def forward(self, mb: MicroBatch, image_canvas: torch.Tensor | None = None):
         """Returns hidden states [s, b, h] on inner stages; on the last stage the per-sample
@@ -154,24 +188,41 @@ class Backbone(torch.nn.Module):
             # Image positions hold the tokenizer's <image> placeholder (id 0), whose embedding
             # is added to the projected image features, as LLaVA-style models do.
             text = self.embedding(mb.tokens)
-            hidden = _seq_first(text if image_canvas is None else text + image_canvas)
+            hidden = self._cp_chunk(_seq_first(text if image_canvas is None else text + image_canvas))
             if self.sequence_parallel:
                 hidden = scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
-        rope = self.rotary(mb.tokens.shape[1])
-        hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=rope)
+        hidden = self.decoder(hidden, attention_mask=None, rotary_pos_emb=self._rope(mb.tokens.shape[1]))
         if not self.post_process:
             return hidden
-        logits, _ = self.output_layer(hidden)                                # [s, b, V/tp]
+        logits, _ = self.output_layer(hidden)                                # [s / CP, b, V/tp]
         if self.sequence_parallel:
             # The generator takes the full (TP-replicated) conditioning states, and so gives every
             # rank the full gradient: backward keeps this rank's part instead of summing.
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                           group=self.tp_group)
-        token_loss = vocab_parallel_cross_entropy(logits.float(), _seq_first(mb.labels), self.tp_group)
+        labels = self._cp_chunk(_seq_first(mb.labels))
+        token_loss = vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
         mask = mb.loss_mask
-        lm_loss = (token_loss.transpose(0, 1) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        cond = hidden[-self.num_cond_tokens:].transpose(0, 1)                 # [b, K, h]
-        return lm_loss, cond
+        numerator = (token_loss.transpose(0, 1) * self._cp_chunk(mask.T).T).sum(1)
+        if self.cp_group is not None:
+            numerator = reduce_from_tensor_model_parallel_region(numerator, group=self.cp_group)
+        lm_loss = numerator / mask.sum(1).clamp(min=1)
+        return lm_loss, self._conditioning(hidden)
+
+    def _conditioning(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, K, h]: the last K positions' states, on every CP rank."""
+        cond = hidden[-self.num_cond_tokens:]
+        if self.cp_group is not None:
+            if self.cp_group.rank() != self.cp_group.size() - 1:
+                # Zero, but still in the graph: every CP rank must run the backward all-reduce.
+                cond = cond * 0.0
+            # All-reduce both ways (torch's autograd all_reduce: backward all-reduces the gradient):
+            # every CP rank's generator replica gets the states, and the last rank's states get the
+            # sum of the replicas' gradients (the training loop weighs the generator loss 1/CP per
+            # replica). megatron's copy_to(reduce_from(x)) composes the same maths but reduces in
+            # place, which measurably corrupted this gradient.
+            cond = dist_nn.all_reduce(cond, group=self.cp_group)
+        return cond.transpose(0, 1)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = TIMESTEP_FREQ_DIM) -> torch.Tensor:
@@ -185,7 +236,7 @@ class ImageGenerator(torch.nn.Module):
     """DiT-style denoiser: conditioning tokens and noisy latent patches attend jointly
     (in-context conditioning); trained to predict the noise (MSE)."""
 
-    def __init__(self, w: Workload, config: TransformerConfig, pg):
+    def __init__(self, w: Workload, config: TransformerConfig, pg, attention: str = "local"):
         super().__init__()
         g, dtype = w.generator, config.params_dtype
         self.cond_proj = torch.nn.Linear(w.backbone.hidden_size, g.hidden_size, bias=False, dtype=dtype)
@@ -194,7 +245,7 @@ class ImageGenerator(torch.nn.Module):
         self.pos_embed = torch.nn.Parameter(torch.zeros(max_tokens, g.hidden_size, dtype=dtype))
         self.time_in = torch.nn.Linear(TIMESTEP_FREQ_DIM, g.hidden_size, bias=False, dtype=dtype)
         self.time_out = torch.nn.Linear(g.hidden_size, g.hidden_size, bias=False, dtype=dtype)
-        self.dit = _block(config, pg, causal=False)
+        self.dit = _block(config, pg, causal=False, attention=attention)
         self.head = torch.nn.Linear(g.hidden_size, w.latent_patch_dim, bias=False, dtype=dtype)
 
     def forward(self, mb: MicroBatch, cond: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,33 @@ _PAPER_SOURCE = ("encoder: ViT-H/14 (Dosovitskiy et al. 2021, arXiv 2010.11929, 
                  "MLP 5120, 16 heads); generator: DiT-XL/2 (Peebles & Xie 2023, arXiv 2212.09748, table 1: "
                  "28 layers, width 1152, 16 heads, patch 2 over a /8 4-channel VAE latent); backbone: ")
 
+# Long context (issue #13; Heterogeneous Parallelism for MLLM Training, arXiv 2605.27678): the fused
+# sequence grows to 32K-128K tokens while each encoder input stays one tile (the `tiled` profile).
+_LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                  ffn_hidden_size=14336, vocab_size=128256)
+_LLAMA3_8B_SOURCE = ("Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads, "
+                     "FFN 14336, vocab 128256)")
+# Tokens per global batch kept at mllm-9b's 512 x 8192 = 4M (a workload choice): the batch in samples shrinks as
+# the sequence grows.
+_LONG_BATCH_TOKENS = 512 * 8192
+
+
+def _long(seq_length: int) -> Workload:
+    return Workload(
+        name=f"long-{seq_length // 1024}k",
+        # ViT-H/14 over 448-px tiles (InternVL's tile size) with InternVL's pixel shuffle: 256 tokens per tile.
+        encoder=EncoderShape(**_VIT_H14, resolutions=(224, 336, 448), token_merge=2),
+        backbone=BackboneShape(**_LLAMA3_8B, seq_length=seq_length),
+        generator=GeneratorShape(**_DIT_XL2, resolutions=(256, 512), num_cond_tokens=64),
+        data_profile=DATA_PROFILES["tiled"],
+        global_batch_size=_LONG_BATCH_TOKENS // seq_length, micro_batch_size=1,
+        source=_PAPER_SOURCE.replace("encoder: ViT-H/14", "encoder: ViT-H/14 over 448-px tiles, pixel shuffle 2 "
+                                     "(InternVL 1.1 blog: 256 tokens per 448-px tile)") + _LLAMA3_8B_SOURCE
+               + f", fused sequence {seq_length} tokens; data: the tiled profile (InternVL-Chat-V1-5 dynamic "
+                 "resolution, max 12 tiles + thumbnail per image); global batch 4M tokens as mllm-9b",
+    )
+
+
 PRESETS: dict[str, Workload] = {
     "tiny": Workload(
         name="tiny",
@@ -239,6 +266,23 @@ PRESETS: dict[str, Workload] = {
         data_profile=DATA_PROFILES["heterogeneous"],
         global_batch_size=16, micro_batch_size=2,
         source="CPU counterpart of gen-heavy-10b: generator wider and deeper than the backbone, large outputs",
+    ),
+    **{w.name: w for w in map(_long, (32768, 65536, 131072))},
+    # CPU counterpart of long-*: a sequence long for this CPU, tiled images, heads and query groups
+    # divisible by 2 and 4 so tp x cp <= 4 runs measured with Ulysses (cp_comm=a2a).
+    "small-long": Workload(
+        name="small-long",
+        encoder=EncoderShape(num_layers=4, hidden_size=160, num_attention_heads=4, ffn_hidden_size=640,
+                             patch_size=16, resolutions=(64, 96, 128), token_merge=2),
+        backbone=BackboneShape(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=4,
+                               ffn_hidden_size=352, vocab_size=2048, seq_length=1024),
+        generator=GeneratorShape(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                                 latent_channels=3, latent_downsample=4, latent_patch_size=2,
+                                 resolutions=(32, 64), num_cond_tokens=8),
+        data_profile=DATA_PROFILES["tiled"],
+        global_batch_size=4, micro_batch_size=1,
+        source="CPU counterpart of long-*: a 1024-token fused sequence (5x small's), 128-px tiles of 16 tokens "
+               "after pixel shuffle 2, about 3M parameters",
     ),
 }
 

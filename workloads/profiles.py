@@ -8,7 +8,8 @@ resolution tuples so one profile fits every model size.
 
 DataProfile (`uniform`, `heterogeneous`) draws image counts from fixed discrete distributions;
 PackedProfile (`packed`: image-caption pairs) and InterleavedProfile (`interleaved`: web documents)
-pack documents to seq_length, with means cited in `source` and shapes assumed (see _geometric).
+pack documents to seq_length, with means cited in `source` and shapes assumed (see _geometric);
+TiledProfile (`tiled`, long context) is `interleaved` with InternVL-style tiled input images.
 """
 from __future__ import annotations
 
@@ -195,6 +196,30 @@ class InterleavedProfile(_DocumentStream):
         return Document(text, tuple(self._image(workload, rng) for _ in range(num_images)))
 
 
+@dataclass(frozen=True)
+class TiledProfile(InterleavedProfile):
+    """Interleaved documents whose input images are cut into tiles of the encoder's largest
+    resolution, InternVL's dynamic resolution: t tiles with t at most `max_tiles`, plus one
+    thumbnail tile of the whole image when t > 1. Each tile is one encoder input, so the
+    encoder's sequence per call stays bounded (one tile's patches) however long the fused
+    sequence grows; tiles take backbone tokens like any input image. Generation targets are
+    drawn as in `interleaved`. The number of tiles per image is uniform on 1..max_tiles: the
+    distribution of web images' aspect ratios and sizes that sets it was not found (an
+    assumption: the maximum-entropy choice on that range)."""
+    max_tiles: int = 12
+
+    def draw_document(self, workload: "Workload", rng: np.random.Generator) -> Document:
+        text, num_images = _geometric(rng, self.text_tokens_per_document), _geometric(rng, self.images_per_document)
+        tile, images = max(workload.encoder.resolutions), []
+        for _ in range(num_images):
+            if rng.random() < self.p_generation:
+                images.append((True, workload.generator.resolutions[self.output_resolution.pick(rng)]))
+            else:
+                tiles = 1 + int(rng.integers(self.max_tiles))
+                images += [(False, tile)] * (tiles + (tiles > 1))
+        return Document(text, tuple(images))
+
+
 # The heterogeneous profile's bucket mix, reused by packed and interleaved: an assumption, no
 # corpus statistic gives resolutions after bucketing.
 _INPUT_BUCKETS = Choice((0, 1, 2), (0.5, 0.3, 0.2))
@@ -250,5 +275,21 @@ DATA_PROFILES: dict[str, Profile] = {
         images_per_document=353e6 / 141e6,
         # Counted with OBELICS' tokenizer; we assume the backbone's tokenizer counts alike.
         text_tokens_per_document=115e9 / 141e6,
+    ),
+    # Long context (the long-* presets): interleaved documents with InternVL-tiled input images.
+    "tiled": TiledProfile(
+        name="tiled",
+        description="OBELICS-style documents with InternVL-tiled input images (<= 12 tiles + thumbnail), packed",
+        source="OBELICS, arXiv 2306.16527, abstract: 2.50 images and 816 text tokens per document; tiles: "
+               "InternVL-Chat-V1-5 max_dynamic_patch 12 tiles of 448 px plus a thumbnail (OpenGVLab InternVL "
+               "configs; InternVL 1.1 blog: 256 tokens per 448-px tile after pixel shuffle); tiles per image "
+               "uniform on 1..12 (assumed); no image cap but the sequence: MM1's 16 images per 4096-token "
+               "sequence (arXiv 2403.09611) is a short-context cap",
+        p_generation=_P_GENERATION, input_resolution=_INPUT_BUCKETS, output_resolution=_OUTPUT_BUCKETS,
+        # Tiles and images are bounded by the tokens they take (Packer.image_room); this cap never binds.
+        max_images=1 << 20,
+        images_per_document=353e6 / 141e6,
+        text_tokens_per_document=115e9 / 141e6,
+        max_tiles=12,
     ),
 }

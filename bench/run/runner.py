@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import environment, records
@@ -27,12 +28,36 @@ DEFAULT_RESULTS = REPO / "results" / "runs.jsonl"
 RUN_ID_ENV = "BENCH_RUN_ID"          # set in the environment of every process of a run
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """A run across nodes (bench.run.slurm): torchrun on every node, a static rendezvous at node 0
+    (master_addr:master_port), so node 0 holds global rank 0 and its result; `work` is a folder
+    every node sees (a shared file system): the config, the ranks' progress, rank 0's result and
+    `launch.json`, which node 0 writes once its side is up (run id, the preprocessing service's
+    endpoints) and the other nodes wait for (bench.run.slurm.follow)."""
+    count: int
+    rank: int
+    master_addr: str
+    master_port: int
+    work: Path
+
+    @property
+    def launch_file(self) -> Path:
+        return self.work / "launch.json"
+
+
 def torchrun_command(cfg: RunConfig, config_file: Path, dataset: Path, out: Path, port: int,
-                     work: Path | None = None) -> list[str]:
-    """`work`: a folder for the ranks' progress files and torchrun's per-rank logs."""
+                     work: Path | None = None, nodes: Nodes | None = None) -> list[str]:
+    """`work`: a folder for the ranks' progress files and torchrun's per-rank logs; `nodes`: this
+    node's part of a run across nodes (cfg.nproc / nodes.count ranks here), else all on loopback."""
     watch = supervise.torchrun_options(work / "torchrun") if work else []
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
-            "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", *watch,
+    if nodes is None:
+        where = [f"--nproc-per-node={cfg.nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    else:
+        where = [f"--nproc-per-node={cfg.nproc // nodes.count}", f"--nnodes={nodes.count}",
+                 f"--node-rank={nodes.rank}", f"--master-addr={nodes.master_addr}",
+                 f"--master-port={nodes.master_port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0", *watch,
             "-m", "bench.run.worker", "--config", str(config_file), "--dataset", str(dataset), "--out", str(out),
             *(["--progress", str(work / "progress")] if work else [])]
 
@@ -59,18 +84,22 @@ def prepare_dataset(cfg: RunConfig) -> Path:
 
 
 def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_mode: str | None = None,
-        quiet: bool = False, repeat: int = 1) -> dict:
-    """One fresh launch of `cfg`; `repeat`: its 1-based index among the repeats of this configuration."""
+        quiet: bool = False, repeat: int = 1, nodes: Nodes | None = None) -> dict:
+    """One fresh launch of `cfg`; `repeat`: its 1-based index among the repeats of this configuration;
+    `nodes`: node 0's side of a run across nodes (bench.run.slurm), else every rank on this machine."""
     run_id = records.new_run_id()
     dataset = prepare_dataset(cfg)
     logs = results.parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{run_id}.log"
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+    if nodes is not None:
+        nodes.work.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(nodes.work)) if nodes else tempfile.TemporaryDirectory(prefix="bench-")) as tmp:
         config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_file.write_text(dumps(cfg))
-        (Path(tmp) / "progress").mkdir()
-        cmd = torchrun_command(cfg, config_file, dataset, out, environment.free_port(), Path(tmp))
+        (Path(tmp) / "progress").mkdir(exist_ok=nodes is not None)
+        port = nodes.master_port if nodes else environment.free_port()
+        cmd = torchrun_command(cfg, config_file, dataset, out, port, Path(tmp), nodes)
         print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
               f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
               flush=True)
@@ -79,6 +108,8 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
         start = time.perf_counter()
         service = _data_service(cfg, dataset)
         with _sigterm_interrupts(), service as service_env:
+            if nodes is not None:           # the other nodes start their torchrun once this exists
+                _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
             outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
                               abort=lambda: _preprocess_failure(service))
         raw = json.loads(out.read_text()) if outcome.rc == 0 and out.exists() else None
@@ -130,8 +161,21 @@ def _preprocess_failure(service) -> str | None:
     return failures[0].split(";")[0] if failures else None
 
 
+def _write_launch(nodes: Nodes, launch: dict) -> None:
+    """Atomically: a follower never reads it half-written. Named values only, never os.environ."""
+    tmp = nodes.launch_file.with_name(nodes.launch_file.name + ".tmp")
+    tmp.write_text(json.dumps(launch))
+    os.replace(tmp, nodes.launch_file)
+
+
 def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_env: dict, work: Path,
             abort) -> supervise.Outcome:
+    return supervise.Launch(cmd, launch_env(cfg, extra_env), REPO, log_path, work / "progress", cfg.timeout_s,
+                            quiet, abort, cfg.nproc).run()
+
+
+def launch_env(cfg: RunConfig, extra_env: dict) -> dict:
+    """The environment torchrun and the ranks start with (on every node of a run)."""
     env = dict(os.environ) | extra_env
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", str(cfg.threads_per_proc))
@@ -140,8 +184,7 @@ def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_e
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = supervise.PREFIX_TEMPLATE
     env[machine.ROOT_ENV] = str(os.getpid())      # the run's processes: this one and its descendants
     env.setdefault("DS_ACCELERATOR", "cpu" if cfg.device == "cpu" else "cuda")
-    return supervise.Launch(cmd, env, REPO, log_path, work / "progress", cfg.timeout_s, quiet, abort,
-                            cfg.nproc).run()
+    return env
 
 
 def _record(cfg: RunConfig, layout: Layout, run_id: str, raw, failure: supervise.Failure, kept: list[dict],

@@ -19,9 +19,18 @@ Every entry is resolved and validated before the first process starts, so a typo
 last entry fails the sweep at once instead of after an hour. Repeats are interleaved: round r
 runs the r-th repeat of every configuration that asks for one (A B C A B C ..., not
 A A A B B B), so drift in the machine's state hits every configuration alike.
+
+`--launcher slurm` submits each run not yet recorded as a SLURM job instead (bench.run.slurm),
+with settings from an optional table and `--slurm-*` flags:
+
+    [slurm]                         # ignored by the local launcher
+    partition = "gpu"
+    gpus_per_node = 8               # nodes = ceil(nproc / gpus_per_node)
+    time_min = 60
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import tomllib
@@ -122,12 +131,28 @@ def run_simulations(entries: list[dict], results: Path) -> int:
     return sum(r["status"] != "ok" for r in out)
 
 
-def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run: bool = False) -> int:
-    """Simulations first, then the measured runs in interleaved order; dry_run: print the order only."""
+LAUNCHERS = ("local", "slurm")
+
+
+def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run: bool = False,
+              launcher: str = "local", slurm_flags: dict | None = None) -> int:
+    """Simulations first, then the measured runs in interleaved order; dry_run: print the order only.
+    launcher "slurm": each run not yet recorded becomes a SLURM job (bench.run.slurm), its settings
+    from the file's [slurm] table and `slurm_flags` (the --slurm-* flags given)."""
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"--launcher {launcher!r}; choose {' or '.join(LAUNCHERS)}")
+    given = sorted(k for k, v in (slurm_flags or {}).items() if v is not None)
+    if launcher == "local" and given:
+        raise ConfigError(f"--slurm-{given[0].replace('_', '-')} is for --launcher slurm")
     try:
         spec = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read sweep {path}: {e}") from None
+    cluster = None
+    if launcher == "slurm":                    # checked before anything is simulated, launched or submitted
+        from bench.run import slurm
+        cluster = slurm.settings(spec.get("slurm", {}), slurm_flags)
+        slurm.check_ready(cluster, submitting=not dry_run)
     if "simulate" in spec and not dry_run:
         run_simulations(spec["simulate"], results)
         if "run" not in spec:
@@ -139,6 +164,8 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
             if r["mode"] == "measured" and r["status"] == r["tags"].get("expect", "ok"):
                 done[_key(r["config"])] = done.get(_key(r["config"]), 0) + 1
     order = interleaved(planned)
+    if cluster is not None:
+        return _sweep_on_slurm(order, done, cluster, results, wandb_mode, dry_run)
     failures = []
     for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
         what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
@@ -156,10 +183,46 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
         if record["status"] != cfg.tags.get("expect", "ok"):      # the remaining runs still run
             failures.append(f"{cfg.system} {cfg.workload} {layout.label} repeat {repeat}: "
                             f"{record['status']}: {record['reason']}")
-    print(f"[sweep] done: {len(order)} runs, {len(failures)} not ok", flush=True)
+    return _summary(len(order), failures)
+
+
+def _summary(runs: int, failures: list[str]) -> int:
+    print(f"[sweep] done: {runs} runs, {len(failures)} not ok", flush=True)
     for line in failures:
         print(f"[sweep] not ok: {line}", flush=True)
     return 1 if failures else 0
+
+
+def _sweep_on_slurm(order: list[tuple], done: dict[str, int], cluster, results: Path, wandb_mode: str | None,
+                    dry_run: bool) -> int:
+    """The runs not yet recorded, each a job (bench.run.slurm); the jobs append the records.
+    Every job's shape is checked and every dataset prepared here before the first submission."""
+    from bench.run import slurm
+    runs = []
+    for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
+        what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
+        if done.get(_key(cfg.to_dict()), 0) >= repeat:
+            print(f"{what}: already recorded, skipped", flush=True)
+            continue
+        runs.append((what, cfg, layout, repeat))
+    pending = slurm.plan(runs, cluster, results, wandb_mode)
+    if dry_run:
+        for run in pending:
+            print(f"{run.what} (dry run; a {cluster.executor} job of {run.spec.resources})", flush=True)
+        return 0
+    prepared = set()
+    for run in pending:                        # on this machine, once: jobs never generate data side by side
+        data = run.spec.cfg.data
+        key = (run.spec.cfg.workload, run.spec.cfg.seed, json.dumps(dataclasses.asdict(data), sort_keys=True))
+        if key not in prepared:
+            runner.prepare_dataset(run.spec.cfg)
+            prepared.add(key)
+    try:
+        failures = slurm.submit_all(pending, cluster)
+    except KeyboardInterrupt:
+        print("[sweep] rerun the same command to resume", flush=True)
+        return 130
+    return _summary(len(order), failures)
 
 
 def interleaved(planned: list[tuple]) -> list[tuple]:

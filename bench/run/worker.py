@@ -114,8 +114,10 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         dist.all_reduce(losses)
         losses /= cfg.global_batch_size
         # Per-rank busy and data-wait times and loss sums, gathered as plain tensors.
-        busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum]
-        gathered = [torch.zeros(5, dtype=torch.float64, device=device) for _ in range(world)]
+        grad_norm = -1.0 if result.grad_norm is None else result.grad_norm       # -1: not given
+        busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum,
+                                                                     grad_norm]
+        gathered = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
         if rank == 0:
             per_rank = [g.tolist() for g in gathered]
@@ -126,6 +128,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
                 "rank_busy_s": [sum(r[:3]) for r in per_rank],
                 "module_busy_s": {m: max(r[i] for r in per_rank) for i, m in enumerate(MODULES)},
             }
+            norms = [r[5] for r in per_rank if r[5] >= 0]
+            if norms:
+                entry["grad_norm"] = max(norms)
             steps.append(entry)
             progress.step_done(entry)
             print(f"[bench] step {step + 1}/{total}{' (warm-up)' if step < cfg.warmup else ''} "

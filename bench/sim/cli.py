@@ -8,9 +8,11 @@
 
 --layout: auto (the system's own layout search), a layout label exactly as records and
 figures show it (tp8-pp10-dp12, zero3-dp8-rc, enc:1x4,llm:8x10x12,gen:1x4, ...: the system
-parses its own labels), or a JSON object of the system's options; `--set` options apply on top.
+parses its own labels), or a JSON object of the system's options; `--set` options apply on top
+(with auto, the search keeps them: `--layout auto --set placement=colocated` for disttrain).
 
---cluster: h100 | h200 (datasheet clusters), `cpu` (this machine: its profile for the workload
+--cluster: h100 | h200 (datasheet clusters; a GPU profiled in bench/sim/gpu_profiles/ uses its measured
+efficiencies and GEMM table, bench.sim.gpu_profile), `cpu` (this machine: its profile for the workload
 under results/profiles/ if there is one, else documented CPU defaults), or `cpu-profile FILE` /
 a profile file path (a measured CPU profile -> this CPU with N processes; a derived or GPU
 profile -> that GPU's cluster with the profile's efficiency). Every assumption goes into the
@@ -86,9 +88,7 @@ def parse_layout(adapter, text: str, options: dict) -> dict | str:
     from systems.base import ConfigError
     text = text.strip()
     if text == "auto":
-        if options:
-            raise InputError(f"--layout auto chooses every option; drop --set {', '.join(sorted(options))}")
-        return "auto"
+        return "auto"              # with --set options: the search keeps them (simulate_record's fixed)
     if text.startswith("{"):
         try:
             layout = json.loads(text)
@@ -106,12 +106,16 @@ def parse_layout(adapter, text: str, options: dict) -> dict | str:
 
 def build_cluster(spec: list[str], workload: str, gpus: int):
     from bench.profile.profiler import find_profile, load_profile
-    from bench.sim.cluster import CLUSTERS, cluster_from_profile, cpu_cluster
+    from bench.sim.cluster import CLUSTERS, cluster_from_profile, cpu_cluster, get_cluster
+    from workloads.presets import get_workload
     name = spec[0]
     if len(spec) > 2 or (len(spec) == 2 and name != "cpu-profile"):
         raise InputError(f"--cluster {' '.join(spec)!r}: write h100, h200, cpu, or cpu-profile FILE")
-    if name in CLUSTERS and len(spec) == 1:
-        return CLUSTERS[name], None
+    if name in CLUSTERS and len(spec) == 1:       # the GPU's measured profile, if bench/sim/gpu_profiles/ has one
+        try:
+            return get_cluster(name, get_workload(workload)), None
+        except ValueError as e:
+            raise InputError(f"--cluster {name}: {e}") from None
     if name == "cpu" and len(spec) == 1:
         path = find_profile(workload, "cpu")
         return cpu_cluster(gpus, profile=load_profile(path) if path else None), path
@@ -168,7 +172,8 @@ def run(args) -> dict:
         tags.setdefault("cluster_profile", str(profile_path))
     return simulate_record(args.workload, args.system, args.gpus, cluster, options, seed=sets.get("seed", 0),
                            num_batches=sets.get("num_batches", 2), reorder=sets.get("reorder"),
-                           profile=sets.get("profile"), global_batch_size=B, micro_batch_size=mbs, tags=tags)
+                           profile=sets.get("profile"), global_batch_size=B, micro_batch_size=mbs, tags=tags,
+                           fixed=set_options if options == "auto" else None)
 
 
 def summary(record: dict) -> str:

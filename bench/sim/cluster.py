@@ -2,11 +2,12 @@
 
 Every number here is an assumption of the simulator and goes into the record verbatim
 (`Cluster.assumptions()`); for the GPU clusters the sources are datasheet figures, not
-measurements. `cluster_from_profile` builds a cluster from a `python -m bench profile` file
-instead: a GPU's (efficiency measured or derived) or *this CPU's*, where every number is a
-measurement of this machine (bench/profile/profiler.py) and the extra host costs a CPU run pays
-(per-call overheads, data preprocessing in the trainer, the optimizer step, processes
-sharing cores) are switched on.
+measurements, unless bench/sim/gpu_profiles/ holds a measured profile of that GPU
+(`get_cluster` applies it: bench.sim.gpu_profile; `compute_source` says which).
+`cluster_from_profile` builds a cluster from a `python -m bench profile` file instead: a GPU's
+(efficiency measured or derived) or *this CPU's*, where every number is a measurement of this
+machine (bench/profile/profiler.py) and the extra host costs a CPU run pays (per-call overheads,
+data preprocessing in the trainer, the optimizer step, processes sharing cores) are switched on.
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from bench.metrics import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE, PEAK_FLOPS
+from bench.sim.gpu_profile import with_measured_compute
 from workloads.presets import MODULES
 
 # Fraction of the dense bf16 peak a module's GEMMs and attention reach (compute only; the
 # simulator adds communication and pipeline bubbles separately). Assumptions, not measured:
 # wide layers (the backbone, hidden >= 4096) at 0.60, the ~1.2k-wide ViT-H / DiT-XL layers at
 # 0.45. For scale, Megatron-Core's README reports "up to 47% MFU" end-to-end on H100 clusters
-# (communication and bubbles included). Override with measured values via `with_efficiency`.
+# (communication and bubbles included). A measured GPU profile (bench.sim.gpu_profile) replaces them.
 
 @dataclass(frozen=True)
 class Cluster:
@@ -54,6 +56,11 @@ class Cluster:
     # profile, `gemm_table`), "flat" (FLOPs / (peak x efficiency) whatever the shape).
     compute_model: str = "roofline"
     gemm_table: dict | None = None
+    # Where the compute model's numbers come from: "assumed: ..." or "measured: <profile> (<date>)"
+    # (bench.sim.gpu_profile applies a GPU's measured profile in get_cluster).
+    compute_source: str = ("assumed: datasheet peak x assumed per-module efficiency (bench.metrics.DEFAULT_EFFICIENCY) "
+                           "on a roofline with the cited HBM bandwidth; no measured profile of this GPU in "
+                           "bench/sim/gpu_profiles/")
     # Host side of a GPU node (bench.sim.preprocess): a DGX H100/H200 has 2x Xeon 8480C, 112 cores for
     # 8 GPUs (NVIDIA DGX BasePOD reference architecture, "Core Components").
     host_cores_per_gpu: float | None = 14.0
@@ -170,12 +177,14 @@ CLUSTERS = {
 }
 
 
-def get_cluster(name: str | Cluster) -> Cluster:
+def get_cluster(name: str | Cluster, workload=None) -> Cluster:
+    """A cluster by name, with its GPU's measured profile (bench/sim/gpu_profiles/) applied when
+    there is one; `workload` picks the measured layers of its own module shapes."""
     if isinstance(name, Cluster):
         return name
     if name not in CLUSTERS:
         raise KeyError(f"unknown cluster {name!r}; choose one of {sorted(CLUSTERS)}")
-    return CLUSTERS[name]
+    return with_measured_compute(CLUSTERS[name], workload)
 
 
 
@@ -210,7 +219,7 @@ def cpu_cluster(processes: int, cores: int | None = None, profile: dict | None =
                 memory_source="this machine's physical memory", efficiency=dict(d["efficiency"]),
                 efficiency_source=d["source"], peak_flops_measured=d["peak_flops"],
                 peak_flops_measured_source=d["source"], value_bytes=4, overhead_s=dict(d["overhead_s"]),
-                hbm_bw=None, hbm_bw_source="", compute_model="flat")
+                hbm_bw=None, hbm_bw_source="", compute_model="flat", compute_source="assumed: " + d["source"])
     return c.with_slowdown(processes, cores, oversubscription) if oversubscription else c
 
 
@@ -238,6 +247,8 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         eff = {n: min(1.0, float(mods[n]["efficiency"])) for n in MODULES}
         note = profile.get("efficiency_source") or f"measured on one GPU: {where}"
         out = base.with_efficiency(eff, f"{note}; derived={bool(profile.get('derived'))} {src}")
+        out = replace(out, compute_source=(f"derived: datasheet peak x efficiency of {src}" if profile.get("derived")
+                                           else f"measured: whole modules, {where}"))
         # a GEMM table measured on that GPU replaces the roofline (bench.profile.gemm)
         return replace(out, compute_model="table", gemm_table=profile["gemm"]) if profile.get("gemm") else out
     peak = float(profile["peak_flops"])
@@ -269,7 +280,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         value_bytes=2 if profile.get("dtype") == "bf16" else 4,
         overhead_s={n: float(mods[n].get("overhead_s", 0.0)) for n in MODULES},
         # bench validate pins this fit of whole microbatches; the profile's GEMM table is not used here
-        hbm_bw=None, hbm_bw_source="", compute_model="flat",
+        hbm_bw=None, hbm_bw_source="", compute_model="flat", compute_source=f"measured: {where}",
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
                            for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),

@@ -21,6 +21,9 @@ and its parameters all-gathered (distributed optimizer / ZeRO-1,2: 2 bytes each,
 volume as one all-reduce), not overlapped with compute unless the system's layout says so
 (bench.sim.overlap: bucketed, hidden behind backward / forward). ZeRO-3 instead gathers
 parameters for forward and backward and reduce-scatters gradients every microbatch.
+Context parallelism of the backbone (cp > 1): compute / cp per rank, TP collectives over each
+rank's tokens / cp, plus bench.sim.context's all-to-all or ring communication (module_fb);
+activations / cp (callers pass each rank's tokens), gradients synced over DP x CP.
 Optimizer step, norms, embeddings lookups and kernel launch gaps are not modelled.
 
 Measured-hardware clusters (bench.sim.cluster.cluster_from_profile; all off by default):
@@ -55,6 +58,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from bench.sim import context
 from bench.sim.cluster import Cluster
 from bench.sim.gemm import shape_efficiency
 from workloads import flops as F
@@ -181,20 +185,21 @@ def batch_costs(w: Workload, metas) -> BatchCosts:
 
 
 def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = False, calls=None, *,
-               shape: ModuleShape | None = None, tokens=None):
-    """(forward, backward) compute seconds of `flops` training FLOPs on a TP group; `calls`:
+               shape: ModuleShape | None = None, tokens=None, cp: int = 1):
+    """(forward, backward) compute seconds of `flops` training FLOPs on a TP group (x `cp`
+    context-parallel ranks, each with 1/cp of the work: bench.sim.context); `calls`:
     module invocations (per-call overhead), default one wherever there is work. With the
     module's `shape` and `tokens` (per element of `flops`), the efficiency is the shape
-    efficiency of the cluster's GEMM model at tokens / calls per call (bench.sim.gemm);
+    efficiency of the cluster's GEMM model at tokens / calls / cp per call (bench.sim.gemm);
     without them, or on a flat-model cluster, the per-module efficiency."""
     flops = np.asarray(flops, dtype=np.float64)
     if shape is not None and tokens is not None and cluster.compute_model != "flat":
-        per_call = np.asarray(tokens, dtype=np.float64) / (1.0 if calls is None else
-                                                           np.maximum(np.asarray(calls, dtype=np.float64), 1.0))
-        eff = shape_efficiency(cluster, module, shape, tp, per_call)
+        per_call = np.asarray(tokens, dtype=np.float64) / cp / (1.0 if calls is None else
+                                                                np.maximum(np.asarray(calls, dtype=np.float64), 1.0))
+        eff = shape_efficiency(cluster, module, shape, tp, per_call, cp)
     else:
         eff = cluster.efficiency[module]
-    t = flops / (tp * cluster.peak_flops * eff)
+    t = flops / (tp * cp * cluster.peak_flops * eff)
     over = cluster.overhead_s.get(module, 0.0)
     if over:
         t = t + over * (np.where(flops > 0, 1.0, 0.0) if calls is None else np.asarray(calls, dtype=np.float64))
@@ -219,9 +224,14 @@ def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, reco
 
 
 def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: int, cluster: Cluster,
-              recompute: bool = False, calls=None):
-    cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls, shape=shape, tokens=tokens)
-    mf, mb = tp_comm_fb(tokens, shape.hidden, layers, tp, cluster, recompute, calls)
+              recompute: bool = False, calls=None, cp: int = 1, cp_comm: str | None = "a2a"):
+    """(forward, backward) seconds of a module's `flops` over `tokens` (the whole replica's) on
+    TP x CP ranks: compute, TP collectives over each rank's tokens / cp, CP communication."""
+    cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls, shape=shape, tokens=tokens, cp=cp)
+    mf, mb = tp_comm_fb(np.asarray(tokens, dtype=np.float64) / cp, shape.hidden, layers, tp, cluster, recompute, calls)
+    if cp > 1:
+        xf, xb = context.comm_fb(tokens, shape, layers, tp, cp, cp_comm, cluster, recompute)
+        mf, mb = mf + xf, mb + xb
     return cf + mf, cb + mb
 
 

@@ -19,7 +19,8 @@ from workloads.presets import Workload
 BATCH_TOLERANCE = 0.05
 
 # Encoder/generator tokens per rank assumed 2x the mean for memory checks (a batch's largest
-# microbatch, not its mean, must fit).
+# microbatch, not its mean, must fit) where images are spread over ranks; a rank of whole samples
+# uses memory_tokens instead.
 MEM_HEADROOM = 2.0
 
 
@@ -31,6 +32,16 @@ class Stats:
     tokens: dict      # mean tokens per sample (image patches; latent + condition tokens)
     images: dict      # mean images per sample
     max_tokens: dict  # tokens of the largest single image
+    max_sample_tokens: dict | None = None   # tokens of the drawn batch's largest sample
+
+
+def memory_tokens(st: Stats, key: str, samples: int) -> float:
+    """Encoder / generator tokens a rank running `samples` whole samples per microbatch must fit:
+    `samples` x the drawn batch's largest sample (what the simulator holds for every microbatch in
+    flight on that batch when samples = 1; an upper bound above), else MEM_HEADROOM x the mean."""
+    if st.max_sample_tokens is None:
+        return max(MEM_HEADROOM * samples * st.tokens[key], st.max_tokens[key])
+    return max(samples * st.max_sample_tokens[key], st.max_tokens[key])
 
 
 def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int | None:
@@ -57,7 +68,8 @@ def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 
                  {"encoder": bc.enc_flops.sum() / n, "generator": bc.gen_flops.sum() / n},
                  {"encoder": bc.enc_tokens.sum() / n, "generator": bc.gen_tokens.sum() / n},
                  {"encoder": len(bc.enc_flops) / n, "generator": len(bc.gen_flops) / n},
-                 {"encoder": float(bc.enc_tokens.max(initial=0)), "generator": float(bc.gen_tokens.max(initial=0))})
+                 {"encoder": float(bc.enc_tokens.max(initial=0)), "generator": float(bc.gen_tokens.max(initial=0))},
+                 {k: float(bc.per_sample_tokens(k).max(initial=0)) for k in ("encoder", "generator")})
 
 
 @dataclass(frozen=True)
@@ -70,20 +82,38 @@ class BackbonePipeline:
 
 
 def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recompute: bool,
-                      stages_after: int) -> BackbonePipeline:
-    """The backbone split into `pp` stages at TP `tp` and DP `dp`; `stages_after`: stages that
-    follow it in the chain (a generator group), which keep more microbatches in flight."""
+                      stages_after: int, cp: int = 1, cp_comm: str = "a2a") -> BackbonePipeline:
+    """The backbone split into `pp` stages at TP `tp`, CP `cp` (bench.sim.context) and DP `dp`;
+    `stages_after`: stages that follow it in the chain (a generator group), which keep more
+    microbatches in flight."""
     sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
-    m = st.B // (dp * st.mbs)
-    t, ok, sync = [], True, 0.0
+    m, mp = st.B // (dp * st.mbs), tp * cp
+    t, ok, sync = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm), True, 0.0
     for s in range(pp):
         f, params, n = C.backbone_stage(w, pp, s)
-        t.append(float(sum(C.module_fb(st.mbs * f, st.mbs * seq, "backbone", sh, n, tp, cluster, recompute))))
         inflight = min(pp + stages_after - s, m)
-        mem = (C.distributed_optimizer_bytes(params / tp, dp, cluster.value_bytes)
-               + inflight * C.activation_bytes(st.mbs * seq, sh, n, tp, recompute)
-               + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
+        mem = (C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes)
+               + inflight * C.activation_bytes(st.mbs * seq / cp, sh, n, tp, recompute)
+               + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         ok &= bool(mem <= cluster.memory_bytes)
-        sync = max(sync, float(C.dp_sync_time(params / tp, dp, tp * dp > gpn, cluster)))
-    links = [float(C.p2p_time(st.mbs * seq, sh.hidden, tp, cluster, tp * dp >= gpn))] * (pp - 1)
+        sync = max(sync, float(C.dp_sync_time(params / tp, dp * cp, mp * dp > gpn, cluster)))
+    links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp - 1)
     return BackbonePipeline(np.array(t), links, sync, ok, m)
+
+
+_STAGES: dict = {}
+
+
+def _stage_times(w, mbs: int, cluster, tp: int, pp: int, recompute: bool, cp: int, cp_comm: str) -> list[float]:
+    """Forward + backward seconds of one microbatch per backbone stage: independent of DP, so a
+    search computes them once per (tp, pp, cp) (memoized on the workload's and cluster's identity)."""
+    key = (id(w), id(cluster), mbs, tp, pp, recompute, cp, cp_comm)
+    hit = _STAGES.get(key)
+    if hit is None or hit[0] is not w or hit[1] is not cluster:
+        if len(_STAGES) > 4096:
+            _STAGES.clear()
+        sh, seq = C.module_shapes(w)["backbone"], w.backbone.seq_length
+        t = [float(sum(C.module_fb(mbs * f, mbs * seq, "backbone", sh, n, tp, cluster, recompute, cp=cp,
+                                   cp_comm=cp_comm))) for f, _, n in (C.backbone_stage(w, pp, s) for s in range(pp))]
+        hit = _STAGES[key] = (w, cluster, t)
+    return list(hit[2])

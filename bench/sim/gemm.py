@@ -93,9 +93,12 @@ def table_s(gemms, table: dict) -> float:
 _CACHE: dict = {}
 
 
-def _one(cluster, module: str, shape, tp: int, m: float) -> float:
+def _one(cluster, module: str, shape, tp: int, m: float, cp: int = 1) -> float:
     eff = cluster.efficiency[module]
-    n = min(m, shape.seq or m)
+    # With context parallelism a rank's m tokens are 1/cp of each sequence; its attention still
+    # spans whole sequences (Ulysses: heads / cp over all n tokens, so a/t x m/n calls of n x n;
+    # ring: the same FLOPs as s/cp queries against n keys).
+    n = min(m * cp, shape.seq or m * cp)
     if cluster.compute_model == "roofline":
         gemms = layer_gemms(shape, tp, m, n)
         flops = sum(g.flops for g in gemms)
@@ -109,16 +112,17 @@ def _one(cluster, module: str, shape, tp: int, m: float) -> float:
     return eff * min(1.0, rate / rate_1)
 
 
-def shape_efficiency(cluster, module: str, shape, tp: int, tokens_per_call) -> np.ndarray:
-    """Fraction of peak the module's layers reach at TP `tp` with `tokens_per_call` (array):
-    the per-module efficiency when the cluster's compute model is flat or nothing runs."""
+def shape_efficiency(cluster, module: str, shape, tp: int, tokens_per_call, cp: int = 1) -> np.ndarray:
+    """Fraction of peak the module's layers reach at TP `tp` with `tokens_per_call` (array; per
+    rank, 1/cp of each sequence with context parallelism `cp`): the per-module efficiency when
+    the cluster's compute model is flat or nothing runs."""
     m = np.asarray(tokens_per_call, dtype=np.float64)
     eff = cluster.efficiency[module]
     if cluster.compute_model == "flat" or shape is None:
         return np.full(m.shape, eff)
     # the searches call this ~10^5 times: key on identities (module_shapes is cached), checked
     key = (cluster.compute_model, cluster.peak_flops, cluster.hbm_bw, cluster.value_bytes, eff,
-           id(cluster.gemm_table), module, id(shape), tp)
+           id(cluster.gemm_table), module, id(shape), tp, cp)
     entry = _CACHE.get(key)
     if entry is None or entry[0] is not shape or entry[1] is not cluster.gemm_table:
         entry = _CACHE[key] = (shape, cluster.gemm_table, {})
@@ -129,12 +133,12 @@ def shape_efficiency(cluster, module: str, shape, tp: int, tokens_per_call) -> n
             return np.asarray(eff)
         b = round(BUCKETS_PER_OCTAVE * math.log2(x))
         if b not in memo:
-            memo[b] = _one(cluster, module, shape, tp, 2.0 ** (b / BUCKETS_PER_OCTAVE))
+            memo[b] = _one(cluster, module, shape, tp, 2.0 ** (b / BUCKETS_PER_OCTAVE), cp)
         return np.asarray(memo[b])
     q = np.rint(BUCKETS_PER_OCTAVE * np.log2(np.maximum(m, 1.0))).astype(np.int64)
     out = np.full(m.shape, eff)
     for b in np.unique(q[m >= 1]).tolist():
         if b not in memo:
-            memo[b] = _one(cluster, module, shape, tp, 2.0 ** (b / BUCKETS_PER_OCTAVE))
+            memo[b] = _one(cluster, module, shape, tp, 2.0 ** (b / BUCKETS_PER_OCTAVE), cp)
         out[(q == b) & (m >= 1)] = memo[b]
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.metrics import throughput
+from bench.sim import context
 from bench.sim import costs as C
 from bench.sim.batch import RuntimeOrder, draw_batch
 from bench.sim.cluster import Cluster, get_cluster
@@ -51,7 +52,7 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
     policy (bench.data.source.DataPlan), which validation against measured runs uses.
     """
     w = get_workload(workload) if isinstance(workload, str) else workload
-    cluster = get_cluster(cluster)
+    cluster = get_cluster(cluster, w)
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
     layout = resolve_layout(w, system, options, num_gpus, B, mbs)
     adapter, kit = get_system(system), Kit(simulate=simulate)
@@ -85,6 +86,8 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
         "data_wait_fraction": float(np.sum(waits) / np.sum(times)) if np.sum(times) > 0 else 0.0,
         "micro_batch_size": mbs, "flops_per_iteration": mean.as_dict(),
         "microbatch_costs": [dict(zip(MODULES, r)) for r in first], **tp.as_dict(),
+        # model FLOP/s per GPU of the run (all num_gpus, as MFU), in TFLOP/s
+        "tflops_per_gpu": tp.mfu * cluster.peak_flops / 1e12,
     }
     out["reason"] = None if out["feasible"] else (
         f"needs {out['per_gpu_memory_gib']:.1f} GiB per GPU, {cluster.memory_bytes / 2 ** 30:.1f} GiB usable")
@@ -93,11 +96,11 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
 
 def search_layout(w: Workload, system: str, num_gpus: int, cluster: Cluster, seed: int = 0,
                   global_batch_size: int | None = None, micro_batch_size: int | None = None,
-                  exact: bool = False) -> dict | None:
-    """The system's own layout search (SystemAdapter.search_layout) on this cluster:
-    {"options": ..., "estimate_s": ..., "search": ...} or None if nothing fits."""
+                  exact: bool = False, fixed: dict | None = None) -> dict | None:
+    """The system's own layout search (SystemAdapter.search_layout) on this cluster, keeping the
+    options in `fixed`: {"options": ..., "estimate_s": ..., "search": ...} or None if nothing fits."""
     return get_system(system).search_layout(
-        w, num_gpus, cluster, Kit(simulate=simulate), seed=seed, exact=exact,
+        w, num_gpus, cluster, Kit(simulate=simulate), seed=seed, exact=exact, fixed=fixed,
         global_batch_size=global_batch_size or w.global_batch_size,
         micro_batch_size=micro_batch_size or w.micro_batch_size)
 
@@ -106,18 +109,20 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
                     options: dict | str | None = None, seed: int = 0, num_batches: int = 2,
                     reorder: bool | None = None,
                     profile: str | None = None, global_batch_size: int | None = None,
-                    micro_batch_size: int | None = None, tags: dict | None = None) -> dict:
+                    micro_batch_size: int | None = None, tags: dict | None = None,
+                    fixed: dict | None = None) -> dict:
     """A bench.records record (mode "simulated") of one simulation; options None or "auto": the
-    system's own layout search (whose layout may come with a rounded global batch)."""
+    system's own layout search, keeping the options in `fixed` (its layout may come with a
+    rounded global batch)."""
     from bench.records import build_record, new_run_id
     w = get_workload(workload_name, profile)
-    cl = with_preprocess(get_cluster(cluster), w.name)
+    cl = with_preprocess(get_cluster(cluster, w), w.name)
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
     chosen, estimate = "given", None
     reason = f"no {system} layout fits {num_gpus} GPUs in memory"
     if options is None or options == "auto":
         try:
-            found = search_layout(w, system, num_gpus, cl, seed, B, mbs)
+            found = search_layout(w, system, num_gpus, cl, seed, B, mbs, fixed=fixed)
         except ConfigError as e:
             found, reason = None, f"layout search failed: {e}"
         chosen = "auto"
@@ -127,6 +132,8 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     reorder = get_system(system).reorders_data if reorder is None else reorder
     config = {"num_gpus": num_gpus, "cluster": cl.name, "seed": seed, "num_batches": num_batches, "reorder": reorder,
               "global_batch_size": B, "micro_batch_size": mbs, "layout_choice": chosen, "options": options}
+    if fixed:
+        config["search_fixed"] = fixed
     common = dict(run_id=new_run_id(), mode="simulated", system=system, workload=w.name,
                   data_profile=w.data_profile.name, num_devices=num_gpus, config=config,
                   env={"simulator": "bench.sim"}, tags=tags or {}, steps=[])
@@ -135,7 +142,9 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
                                       "DeepSpeed ZeRO: 16 sharded by stage",
                    "activation_bytes_per_token_layer": {k: s.activation_bytes_per_token
                                                         for k, s in C.module_shapes(w).items()},
-                   "data": "per-sample images drawn like workloads.dataset.plan_sample with seed (seed, 1, index)"}
+                   "data": "per-sample images drawn like workloads.dataset.plan_sample with seed (seed, 1, index)",
+                   "attention_core": "priced fused (FlashAttention, bench.sim.gemm) whatever a layout's measured "
+                                     "attention implementation (megatron attention=local|sdpa)"}
     if options is None:
         return build_record(**common, status="skipped", reason=reason,
                             layout={"label": "none"}, assumptions=assumptions)
@@ -145,8 +154,12 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
         return build_record(**common, status="skipped", reason=str(e), layout={"label": "invalid", **options},
                             assumptions=assumptions)
     keys = ("samples_per_s", "tokens_per_s", "mfu", "mfu_per_module", "iteration_time_s", "bubble_fraction",
-            "per_gpu_memory_gib", "samples_per_s_per_device", "tokens_per_s_per_device", "data_wait_fraction")
+            "per_gpu_memory_gib", "samples_per_s_per_device", "tokens_per_s_per_device", "data_wait_fraction",
+            "tflops_per_gpu")
     metrics = {k: r[k] for k in keys}
+    # which context-parallel pattern the backbone ran (layout details cp / cp_comm of systems that have it)
+    assumptions["context_parallel"] = context.assumption(r["layout"].get("cp", 1), r["layout"].get("cp_comm"))
+    assumptions["context_parallel_model"] = context.__doc__.strip()
     metrics.update(gpus_used=r["gpus_used"], estimate_s=estimate, feasible=r["feasible"])
     return build_record(**common, status="ok" if r["feasible"] else "skipped", reason=r["reason"],
                         layout={**r["layout"], "gpus_used": r["gpus_used"]}, metrics=metrics, assumptions=assumptions)

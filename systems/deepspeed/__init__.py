@@ -114,7 +114,7 @@ class DeepSpeedSystem(SystemAdapter):
                 "overlap_comm": {"-ov": True, "-noov": False}.get(m[3])}
 
     def setup(self, ctx) -> None:
-        from systems import mcore
+        from systems import cpu_compat, mcore
         mcore.use_cpu_if_needed(ctx.device)
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -128,7 +128,7 @@ class DeepSpeedSystem(SystemAdapter):
             # fp32 master weights (ZeRO-1/2/3 and Megatron agree with each other).
             raise RuntimeError("deepspeed: zero_stage=0 with bf16 does not reproduce AdamW on fp32 master weights "
                                "in DeepSpeed 0.19; use zero_stage >= 1 for bf16")
-        deepspeed = _import_deepspeed(ctx.device)
+        deepspeed = cpu_compat.import_deepspeed(ctx.device)
         self.ctx, self.ps = ctx, ps
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         if self.dp_size != ctx.layout.details["dp"]:
@@ -250,18 +250,6 @@ class _UpdateShare:
             moved = (self._local(p).float().cpu() - start).pow(2).sum().item()
             out[module] = out.get(module, 0.0) + moved
         return out
-
-
-def _import_deepspeed(device: torch.device):
-    import deepspeed
-    if device.type == "cpu":
-        # DeepSpeed's CPU backend compiles a shared-memory all-reduce op (g++, ~40 s) when it
-        # first wraps the process group; only inference uses it, so training skips it.
-        # (sys.modules: `deepspeed.comm.torch` as an attribute is the torch package.)
-        import sys
-        import deepspeed.comm.torch  # noqa: F401
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    return deepspeed
 
 
 def _make_dynamic_modules_zero3_safe(deepspeed, model) -> None:

@@ -19,7 +19,7 @@ from itertools import product
 
 import numpy as np
 
-from systems.base import MODULES, StepCost
+from systems.base import MODULES, ConfigError, StepCost
 from workloads.reorder import ModuleCost, intra_microbatch_assign
 
 
@@ -87,12 +87,16 @@ def _zero3_exposed(O, comm: float, compute: float, params: float, overlap: bool)
             + O.exposed(2 * comm / 3, 2 * compute / 3, O.num_buckets(params, O.DEEPSPEED_BUCKET_PARAMS)))
 
 
-def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
+def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
+           fixed=None) -> dict | None:
     """The ZeRO stage (and, simulated, recompute setting) that fits and simulates fastest. DP is
     every device (exact; simulated too when the batch rounds to a multiple of devices x micro
     batch within kit.estimate.BATCH_TOLERANCE), else the most devices whose count divides the
     global batch in microbatches (DeepSpeed's train_batch_size = micro batch x accumulation x
     DP); the rest idle."""
+    if fixed:
+        raise ConfigError(f"deepspeed's layout search keeps no option fixed ({', '.join(fixed)}); "
+                          "give the whole layout instead of --layout auto")
     microbatches = global_batch_size // micro_batch_size
     batch = None if exact else kit.estimate.rounded_batch(global_batch_size, num_devices * micro_batch_size)
     if exact or batch is not None:

@@ -1,7 +1,8 @@
 """DistTrain: disaggregated model orchestration (arXiv 2408.04275).
 
 Encoder, backbone and generator each get their own ranks and TP/DP (the backbone also PP),
-given as `--set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP`. Non-colocated modules form a module
+given as `--set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP` (`llm:TPxCPxPPxDP` for a context-parallel
+backbone, `cp_comm=a2a|ring`; simulated only: the measured runtime builds CP-less grids). Non-colocated modules form a module
 pipeline encoder -> backbone -> generator driven by a 1F1B schedule; megatron-core's
 HyperCommGrid, BridgeCommunicator and MultiModulePipelineCommunicator move activations into
 the destination's layout and gradients back. `--set placement=colocated` puts every module
@@ -9,10 +10,9 @@ on every rank, each with its own TP/DP, and regroups boundary tensors in place.
 """
 from __future__ import annotations
 
+from systems import cp as CP
 from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
-from systems.disttrain.plan import parse_plan, validate_plan
-
-PLACEMENTS = ("disaggregated", "colocated")
+from systems.disttrain.plan import PLACEMENTS, parse_plan, validate_plan
 
 
 @register
@@ -21,7 +21,8 @@ class DistTrainSystem(SystemAdapter):
     # plan: "auto" asks the orchestrator (search_layout); recompute and overlap (each module's DP
     # reduce-scatter / all-gather hidden behind its backward / forward, as Megatron's DDP does) are
     # simulated only: the measured runtime syncs after its own flush.
-    options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False}
+    # cp_comm: the backbone's context-parallel pattern when its plan entry has CP > 1 (systems.cp).
+    options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False, "cp_comm": "a2a"}
     sim_module = "systems.disttrain.sim"
     records_timeline = True
     reorders_data = True
@@ -39,23 +40,32 @@ class DistTrainSystem(SystemAdapter):
         colocated = options["placement"] == "colocated"
         if ov and colocated:
             raise ConfigError("overlap=True is modeled for the disaggregated placement only; drop it for colocated")
+        comm = options.get("cp_comm", "a2a")
+        if comm not in CP.PATTERNS:
+            raise ConfigError(f"cp_comm={comm!r}; choose a2a (DeepSpeed Ulysses) or ring (ring attention)")
         plan = parse_plan(options["plan"], nproc, colocated, exact=not simulated)
-        validate_plan(plan, workload, global_batch_size, micro_batch_size, runtime=not simulated)
+        validate_plan(plan, workload, global_batch_size, micro_batch_size, runtime=not simulated, cp_comm=comm)
+        cp = plan.modules["backbone"].cp
         used = plan.modules["backbone"].size if colocated else sum(p.size for p in plan.modules.values())
         details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc, "overlap": ov,
-                   "modules": {n: {"tp": p.tp, "pp": p.pp, "dp": p.dp, "first_rank": p.rank_offset}
+                   "cp": cp, "cp_comm": comm if cp > 1 else None,
+                   "modules": {n: {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "first_rank": p.rank_offset}
                                for n, p in plan.modules.items()}}
-        return Layout(label=plan.label() + ("-rc" if rc else "") + ("-ov" if ov else ""), num_devices=used, details=details,
-                      module_dp={n: p.dp for n, p in plan.modules.items()}, canonical_groups=plan.canonical_groups)
+        ring = cp > 1 and comm == "ring"
+        return Layout(label=plan.label() + ("-ring" if ring else "") + ("-rc" if rc else "") + ("-ov" if ov else ""),
+                      num_devices=used, details=details, module_dp={n: p.dp for n, p in plan.modules.items()},
+                      canonical_groups=plan.canonical_groups)
 
     def options_from_label(self, label: str) -> dict:
         text = label.strip()
         colocated = text.startswith("colocated ")
         text = text.removeprefix("colocated ").strip()
-        ov = text.endswith("-ov")
-        text = text.removesuffix("-ov")
-        rc = text.endswith("-rc")
-        return {"plan": text.removesuffix("-rc"), "placement": PLACEMENTS[colocated], "recompute": rc, "overlap": ov}
+        flags = {}
+        for key, suffix in (("overlap", "-ov"), ("recompute", "-rc"), ("ring", "-ring")):
+            flags[key] = text.endswith(suffix)
+            text = text.removesuffix(suffix)
+        return {"plan": text, "placement": PLACEMENTS[colocated], "recompute": flags["recompute"],
+                "overlap": flags["overlap"], "cp_comm": "ring" if flags["ring"] else "a2a"}
 
     def setup(self, ctx) -> None:
         from systems import mcore

@@ -8,15 +8,17 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
-def build_grid(tp: int, pp: int, dp: int, rank_offset: int):
+def build_grid(tp: int, pp: int, dp: int, rank_offset: int, cp: int = 1):
+    """cp: the module's context-parallel size (the plan's ModulePlan.cp; measured plans keep 1,
+    systems.disttrain.plan.CP_MEASURED, so the expert groups below may alias the CP ones)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    grid = HyperCommGrid([tp, 1, pp, dp], ["tp", "cp", "pp", "dp"], rank_offset=rank_offset)
+    grid = HyperCommGrid([tp, cp, pp, dp], ["tp", "cp", "pp", "dp"], rank_offset=rank_offset)
     groups = {name: grid.create_pg(dims) for name, dims in (
         ("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("dp_cp", ["cp", "dp"]),
         ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]))}
-    member = rank_offset <= dist.get_rank() < rank_offset + tp * pp * dp
+    member = rank_offset <= dist.get_rank() < rank_offset + tp * cp * pp * dp
     pg = ProcessGroupCollection()
     if member:
         for name, group in groups.items():

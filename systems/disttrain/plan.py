@@ -1,7 +1,10 @@
 """DistTrain plans: each module's own degrees and ranks, parsed and validated without processes.
 
-Syntax: `enc:TPxDP,llm:TPxPPxDP,gen:TPxDP` (the layout's label too, prefixed "colocated "
-when colocated and suffixed "-rc" when the simulator recomputes activations). Non-colocated (DistTrain's disaggregated
+Syntax: `enc:TPxDP,llm:TPxPPxDP,gen:TPxDP`, or `llm:TPxCPxPPxDP` with a context-parallel backbone
+(CP > 1: each sequence split over CP ranks, systems.cp; three numbers mean CP = 1). The encoder
+and generator keep TPxDP: their inputs are bounded images, never split. The layout's label is the
+plan (the backbone printed with 3 numbers when CP = 1, 4 when CP > 1), prefixed "colocated " when
+colocated and suffixed "-ring" (ring CP), "-rc" (simulated recomputation), "-ov" (simulated overlap). Non-colocated (DistTrain's disaggregated
 orchestration): modules get disjoint, consecutive rank ranges in that order and the sizes
 add up to the process count. Colocated (heterogeneous parallelism on shared GPUs): every
 module spans all ranks with its own TP/DP, so each module's size equals the process count.
@@ -12,10 +15,14 @@ import math
 import re
 from dataclasses import dataclass
 
+from systems import cp as CP
 from systems.base import MODULES, ConfigError
 
+PLACEMENTS = ("disaggregated", "colocated")
 _KEYS = {"enc": "encoder", "llm": "backbone", "gen": "generator"}
-_ENTRY = re.compile(r"^(enc|llm|gen):(\d+)x(\d+)(?:x(\d+))?$")
+_ENTRY = re.compile(r"^(enc|llm|gen):(\d+)x(\d+)((?:x\d+){0,2})$")
+# Measured disttrain runs build CP-less grids (systems.disttrain.grids): CP is simulated only.
+CP_MEASURED = "disttrain measured runs do not run CP yet; simulate it with bench simulate"
 
 
 @dataclass(frozen=True)
@@ -25,17 +32,20 @@ class ModulePlan:
     pp: int
     dp: int
     rank_offset: int
+    cp: int = 1
 
     @property
     def size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def ranks(self) -> range:
         return range(self.rank_offset, self.rank_offset + self.size)
 
     def label(self) -> str:
-        return f"{self.tp}x{self.pp}x{self.dp}" if self.name == "backbone" else f"{self.tp}x{self.dp}"
+        if self.name != "backbone":
+            return f"{self.tp}x{self.dp}"
+        return f"{self.tp}x{self.cp}x{self.pp}x{self.dp}" if self.cp > 1 else f"{self.tp}x{self.pp}x{self.dp}"
 
 
 @dataclass(frozen=True)
@@ -61,14 +71,16 @@ class Plan:
 
 
 def module_layouts(layout) -> dict:
-    """{"encoder": {"tp", "pp", "dp", "first_rank"}, ...} of a disttrain Layout."""
-    return {n: layout.details["modules"][n] for n in MODULES}
+    """{"encoder": {"tp", "cp", "pp", "dp", "first_rank"}, ...} of a disttrain Layout (cp absent: 1)."""
+    return {n: {"cp": 1, **layout.details["modules"][n]} for n in MODULES}
 
 
 def plan_text(modules: dict) -> str:
-    """The plan string of {"encoder": {"tp", "dp"}, "backbone": {"tp", "pp", "dp"}, "generator": ...}."""
+    """The plan string of {"encoder": {"tp", "dp"}, "backbone": {"tp", "pp", "dp"[, "cp"]}, "generator": ...}."""
     e, k, g = modules["encoder"], modules["backbone"], modules["generator"]
-    return f"enc:{e['tp']}x{e['dp']},llm:{k['tp']}x{k['pp']}x{k['dp']},gen:{g['tp']}x{g['dp']}"
+    cp = k.get("cp", 1)
+    llm = f"{k['tp']}x{cp}x{k['pp']}x{k['dp']}" if cp > 1 else f"{k['tp']}x{k['pp']}x{k['dp']}"
+    return f"enc:{e['tp']}x{e['dp']},llm:{llm},gen:{g['tp']}x{g['dp']}"
 
 
 def parse_plan(text: str, nproc: int, colocated: bool, exact: bool = True) -> Plan:
@@ -78,26 +90,29 @@ def parse_plan(text: str, nproc: int, colocated: bool, exact: bool = True) -> Pl
         m = _ENTRY.match(part)
         if not m:
             raise ConfigError(f"plan entry {part!r} is malformed; write enc:TPxDP,llm:TPxPPxDP,gen:TPxDP "
-                              f"(e.g. plan=enc:1x1,llm:1x1x2,gen:1x1)")
-        key, a, b, c = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
-        if key in ("enc", "gen") and c is not None:
-            raise ConfigError(f"plan entry {part!r}: the {_KEYS[key]} takes TPxDP (no pipeline stages)")
-        if key == "llm" and c is None:
-            raise ConfigError(f"plan entry {part!r}: the backbone takes TPxPPxDP")
-        tp, pp, dp = (a, b, int(c)) if key == "llm" else (a, 1, b)
-        if min(tp, pp, dp) < 1:
+                              f"(or llm:TPxCPxPPxDP; e.g. plan=enc:1x1,llm:1x1x2,gen:1x1)")
+        key, degrees = m.group(1), [int(m.group(2)), int(m.group(3))] + [int(x) for x in m.group(4).split("x")[1:]]
+        if key in ("enc", "gen") and len(degrees) != 2:
+            raise ConfigError(f"plan entry {part!r}: the {_KEYS[key]} takes TPxDP (no pipeline stages, no CP)")
+        if key == "llm" and len(degrees) == 2:
+            raise ConfigError(f"plan entry {part!r}: the backbone takes TPxPPxDP or TPxCPxPPxDP")
+        if key == "llm":
+            tp, cp, pp, dp = degrees if len(degrees) == 4 else (degrees[0], 1, *degrees[1:])
+        else:
+            (tp, dp), cp, pp = degrees, 1, 1
+        if min(tp, cp, pp, dp) < 1:
             raise ConfigError(f"plan entry {part!r}: degrees must be >= 1")
         if _KEYS[key] in entries:
             raise ConfigError(f"plan names {key} twice")
-        entries[_KEYS[key]] = (tp, pp, dp)
+        entries[_KEYS[key]] = (tp, pp, dp, cp)
     missing = [k for k, v in _KEYS.items() if v not in entries]
     if missing:
         raise ConfigError(f"plan lacks {missing}; give all of enc, llm and gen")
     modules, offset = {}, 0
     for name in MODULES:
-        tp, pp, dp = entries[name]
-        modules[name] = ModulePlan(name, tp, pp, dp, 0 if colocated else offset)
-        offset += tp * pp * dp
+        tp, pp, dp, cp = entries[name]
+        modules[name] = ModulePlan(name, tp, pp, dp, 0 if colocated else offset, cp)
+        offset += modules[name].size
     plan = Plan(modules, colocated)
     sizes = {n: p.size for n, p in modules.items()}
     if colocated and (len(set(sizes.values())) != 1 or (exact and any(s != nproc for s in sizes.values()))):
@@ -109,7 +124,8 @@ def parse_plan(text: str, nproc: int, colocated: bool, exact: bool = True) -> Pl
     return plan
 
 
-def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size: int, runtime: bool = True) -> None:
+def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size: int, runtime: bool = True,
+                  cp_comm: str = "a2a") -> None:
     """runtime=False (the simulator, which spreads images over any DP size): only the checks
     a real DistTrain at scale needs too, not those of this runtime's whole-rank boundaries."""
     for name, mp in plan.modules.items():
@@ -121,6 +137,9 @@ def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size
         raise ConfigError(f"backbone tp={llm.tp} does not divide its query groups, vocabulary or FFN width")
     if b.num_layers % llm.pp:
         raise ConfigError(f"backbone pp={llm.pp} does not divide its {b.num_layers} layers")
+    why = CP.rule(workload, llm.tp, llm.cp, cp_comm)
+    if why:
+        raise ConfigError(f"backbone {why}")
     if global_batch_size % (micro_batch_size * llm.dp):
         raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} "
                           f"x backbone dp {llm.dp}")
@@ -128,6 +147,8 @@ def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size
         raise ConfigError("colocated placement runs modules one after another on shared ranks; use llm pp=1")
     if not runtime:
         return
+    if llm.cp > 1:
+        raise ConfigError(CP_MEASURED)
     rows = micro_batch_size * llm.dp      # samples per microbatch across the backbone's DP ranks
     if rows % plan.canonical_groups:
         raise ConfigError(f"a microbatch holds {rows} samples across the backbone's DP ranks, which the module DP "

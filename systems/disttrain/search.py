@@ -6,7 +6,8 @@ per-sample costs of a drawn batch (sum of stage times + (m - 1) x the slowest + 
 plus the slowest module's data-parallel sync. The exact simulator then scores the result.
 
 Search space: TP powers of two <= gpus_per_node dividing the module's heads (and KV groups);
-PP dividing the backbone's layers; backbone DP any, the global batch rounded to a multiple of
+PP dividing the backbone's layers; backbone CP a power of two, all-to-all or ring where
+systems.cp's rules admit it (encoder and generator: CP 1, their inputs are bounded images); backbone DP any, the global batch rounded to a multiple of
 DP x microbatch within kit.estimate.BATCH_TOLERANCE (plans for this runtime: DP dividing it);
 encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus.
 Plans are compared by estimated seconds per sample, since their batches may differ.
@@ -27,8 +28,9 @@ from itertools import product
 
 import numpy as np
 
+from systems import cp as CP
 from systems.base import ConfigError
-from systems.disttrain.plan import parse_plan, plan_text, validate_plan
+from systems.disttrain.plan import PLACEMENTS, parse_plan, plan_text, validate_plan
 
 
 def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
@@ -50,15 +52,25 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
     return f + b, link, sync, mem <= cluster.memory_bytes
 
 
-def estimate_plan(kit, w, st, cluster, plan) -> float:
-    """Estimated iteration time of one plan (its own global batch); inf if a group does not fit."""
+def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float:
+    """Estimated iteration time of one plan (its own global batch); inf if a group does not fit.
+    `cache`: a dict kept across calls of one search (same workload, stats and cluster), where
+    backbone pipelines and encoder / generator groups are looked up rather than priced again."""
+    cache = {} if cache is None else cache
     K, rc = plan["backbone"], plan.get("recompute", False)
     st = replace(st, B=plan.get("global_batch_size", st.B))
-    bp = kit.estimate.backbone_pipeline(w, st, cluster, K["tp"], K["pp"], K["dp"], rc, 1)
+    key = ("backbone", K["tp"], K["pp"], K["dp"], rc, K.get("cp", 1), plan.get("cp_comm", "a2a"), st.B)
+    if key not in cache:
+        cache[key] = kit.estimate.backbone_pipeline(w, st, cluster, K["tp"], K["pp"], K["dp"], rc, 1, *key[5:7])
+    bp = cache[key]
     t_b, links, sync_b, ok, m = bp.stage_s, bp.links, bp.sync_s, bp.fits, bp.num_microbatches
     S, samples = K["pp"] + 2, K["dp"] * st.mbs
-    parts = [_side(kit, w, st, cluster, key, plan[key]["tp"], plan[key]["dp"], samples, inflight, rc)
-             for key, inflight in (("encoder", min(S, m)), ("generator", 1))]
+    parts = []
+    for name, inflight in (("encoder", min(S, m)), ("generator", 1)):
+        key = (name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc)
+        if key not in cache:
+            cache[key] = _side(kit, w, st, cluster, name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc)
+        parts.append(cache[key])
     if not (ok and all(bool(p[3]) for p in parts)):
         return float("inf")
     (te, le, se, _), (tg, lg, sg, _) = parts
@@ -90,10 +102,10 @@ def _table(rows, weight, sync_floor, n):
     return best[pick]
 
 
-def _plan(tp, pp, dp, te, tg, rc, est, batch):
-    return {"encoder": {"tp": int(te[4]), "dp": int(te[5])}, "backbone": {"tp": tp, "pp": pp, "dp": dp},
+def _plan(tp, pp, dp, te, tg, rc, est, batch, cp=1, comm="a2a"):
+    return {"encoder": {"tp": int(te[4]), "dp": int(te[5])}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
             "generator": {"tp": int(tg[4]), "dp": int(tg[5])}, "recompute": rc, "estimate_s": float(est),
-            "global_batch_size": batch}
+            "global_batch_size": batch, "cp_comm": comm}
 
 
 def per_sample(plan: dict, key: str) -> float:
@@ -104,23 +116,23 @@ def per_sample(plan: dict, key: str) -> float:
 def options_of(plan: dict) -> dict:
     """The adapter's options (--set plan=... placement=... recompute=...) of a structured plan."""
     return {"plan": plan_text(plan), "placement": plan.get("placement", "disaggregated"),
-            "recompute": bool(plan.get("recompute", False)), "overlap": bool(plan.get("overlap", False))}
+            "recompute": bool(plan.get("recompute", False)), "overlap": bool(plan.get("overlap", False)),
+            "cp_comm": plan.get("cp_comm", "a2a")}
 
 
 def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> dict | None:
     """DistTrain plan minimizing the estimated seconds per sample, or None if nothing fits."""
-    C, b = kit.costs, w.backbone
     cands = []
-    for rc, tp, pp in product(recompute, C.tp_choices(cluster.gpus_per_node, b.num_attention_heads,
-                                                      b.num_query_groups), C.divisors(b.num_layers)):
-        for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * pp), exact=False):
-            bp = kit.estimate.backbone_pipeline(w, replace(st, B=batch), cluster, tp, pp, dp, rc, 1)
+    for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus - 2, recompute):
+        for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False):
+            bp = kit.estimate.backbone_pipeline(w, replace(st, B=batch), cluster, tp, pp, dp, rc, 1, cp, comm)
             if bp.fits:
                 lb = kit.schedule.estimate_1f1b(bp.stage_s, bp.links, bp.num_microbatches) + bp.sync_s
-                cands.append((lb / batch, rc, tp, pp, dp, batch, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches))
-    cands.sort(key=lambda c: c[0])
+                cands.append((lb / batch, rc, tp, pp, dp, batch, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches,
+                              cp, comm))
+    cands.sort(key=lambda c: c[:6])
     best, tables = None, {}
-    for lb, rc, tp, pp, dp, batch, t_b, links, sync, m in cands:
+    for lb, rc, tp, pp, dp, batch, t_b, links, sync, m, cp, comm in cands:
         if best is not None and lb >= per_sample(best, "estimate_s"):
             break
         key = (rc, pp, dp, m)
@@ -129,7 +141,7 @@ def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> di
             tables[key] = [_sides(kit, w, st, cluster, k, dp * st.mbs, inflight, rc, num_gpus - 2)
                            for k, inflight in (("encoder", min(S, m)), ("generator", 1))]
         options = [[_table(rows, weight, sync, num_gpus - 2) for weight in {m, 1}] for rows in tables[key]]
-        R = num_gpus - tp * pp * dp
+        R = num_gpus - tp * cp * pp * dp
         ge = np.arange(1, R)
         for enc, gen in product(*options):
             E, G = enc[ge], gen[R - ge]
@@ -140,36 +152,48 @@ def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> di
             total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
             k = int(np.argmin(total))
             if np.isfinite(total[k]) and (best is None or total[k] / batch < per_sample(best, "estimate_s")):
-                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch)
+                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm)
     return best
+
+
+def _backbones(kit, w, cluster, num_gpus: int, recompute, patterns=CP.PATTERNS):
+    """(recompute, tp, pp, cp, cp_comm) of every backbone a search tries on at most num_gpus GPUs."""
+    C, b = kit.costs, w.backbone
+    for rc, tp, pp in product(recompute, C.tp_choices(cluster.gpus_per_node, b.num_attention_heads,
+                                                      b.num_query_groups), C.divisors(b.num_layers)):
+        for cp, comm in CP.choices(w, tp, num_gpus // (tp * pp), patterns=patterns):
+            yield rc, tp, pp, cp, comm
 
 
 def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact: bool = False):
     """Every plan of at most (exact: exactly) `num_gpus` devices: TP powers of two <= gpus_per_node
     dividing the heads, PP dividing the layers, backbone DP with the batch rounded to a multiple
     of DP x microbatch (exact: DP x microbatch dividing the batch, as the runtime requires)."""
-    C, b, gpn = kit.costs, w.backbone, cluster.gpus_per_node
+    C, gpn = kit.costs, cluster.gpus_per_node
     side = {k: [(tp, dp) for tp in C.tp_choices(gpn, C.module_shapes(w)[k].heads) for dp in range(1, num_gpus // tp + 1)]
             for k in ("encoder", "generator")}
-    for rc, tp, pp in product(recompute, C.tp_choices(gpn, b.num_attention_heads, b.num_query_groups),
-                              C.divisors(b.num_layers)):
-        for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * pp), exact):
+    # Measured runs have no CP (systems.disttrain.plan.CP_MEASURED): exact plans keep cp = 1.
+    for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus, recompute):
+        if exact and cp > 1:
+            continue
+        for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * cp * pp), exact):
             for (te, de), (tg, dg) in product(side["encoder"], side["generator"]):
-                used = tp * pp * dp + te * de + tg * dg
+                used = tp * cp * pp * dp + te * de + tg * dg
                 if used == num_gpus or (not exact and used < num_gpus):
-                    yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "pp": pp, "dp": dp},
-                           "generator": {"tp": tg, "dp": dg}, "recompute": rc, "global_batch_size": batch}
+                    yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                           "generator": {"tp": tg, "dp": dg}, "recompute": rc, "global_batch_size": batch,
+                           "cp_comm": comm}
 
 
 def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True), objective: str = "estimate",
                      seed: int = 0, **sim_kwargs) -> tuple[dict | None, float]:
     """Every plan, no pruning; objective "estimate" (as best_plan) or "simulate" (exact simulator),
     in seconds per sample of the plan's own batch."""
-    best, best_v = None, float("inf")
+    best, best_v, cache = None, float("inf"), {}
     for plan in all_plans(kit, w, num_gpus, cluster, st, recompute):
         batch = plan["global_batch_size"]
         if objective == "estimate":
-            v = estimate_plan(kit, w, st, cluster, plan) / batch
+            v = estimate_plan(kit, w, st, cluster, plan, cache) / batch
         else:
             r = kit.simulate(w, "disttrain", options_of(plan), num_gpus, cluster, seed=seed, global_batch_size=batch,
                              micro_batch_size=st.mbs, **sim_kwargs)
@@ -182,7 +206,8 @@ def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)
 def runs_here(w, plan: dict, nproc: int, st) -> bool:
     """Whether this runtime can run the plan on `nproc` processes (systems.disttrain.plan)."""
     try:
-        validate_plan(parse_plan(plan_text(plan), nproc, plan.get("placement") == "colocated"), w, st.B, st.mbs)
+        validate_plan(parse_plan(plan_text(plan), nproc, plan.get("placement") == "colocated"), w, st.B, st.mbs,
+                      cp_comm=plan.get("cp_comm", "a2a"))
     except ConfigError:
         return False
     return True
@@ -194,10 +219,10 @@ def best_exact_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, refine: i
     closed-form estimate, the `refine` best re-scored by the exact simulator (one batch, the
     trainers' data order and the cluster's host costs), ties broken by the plan's text:
     deterministic. None if none fits."""
-    scored = []
+    scored, cache = [], {}
     for plan in all_plans(kit, w, num_gpus, cluster, st, recompute=(False,), exact=True):
         if runs_here(w, plan, num_gpus, st):
-            est = estimate_plan(kit, w, st, cluster, plan)
+            est = estimate_plan(kit, w, st, cluster, plan, cache)
             if np.isfinite(est):
                 scored.append((est, plan_text(plan), plan))
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -211,46 +236,76 @@ def best_exact_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, refine: i
     return best[1] if best else None
 
 
-def _colocated_side_cost(kit, w, st, cluster, key, tp: int, ranks: int) -> float:
-    """One iteration of the encoder (generator) at TP `tp` on all `ranks` ranks, mean work:
-    compute of its share of the batch's images plus its data-parallel sync. Colocated modules
-    run one after another, so each module's TP can be chosen on its own cost."""
-    C, sh = kit.costs, kit.costs.module_shapes(w)[key]
-    samples = st.B / (ranks // tp)
-    f, b = C.module_fb(samples * st.flops[key], samples * st.tokens[key], key, sh, sh.layers, tp, cluster)
-    return float(f + b + C.dp_sync_time(sh.params / tp, ranks // tp, ranks > cluster.gpus_per_node, cluster))
+def _colocated_module(kit, w, st, cluster, key, ranks: int, tp: int, rc: bool, backbone_dp: int, cp: int = 1,
+                      comm: str = "a2a") -> tuple[float, float]:
+    """One module on all `ranks` colocated ranks at TP x CP (DP the rest), mean work: (seconds of its
+    share of the batch plus its DP sync, bytes per rank: optimizer shard and one microbatch's
+    activations). Colocated modules run one after another and are all resident, so an
+    iteration's time and a rank's memory are the sums over the modules."""
+    C, sh, gpn = kit.costs, kit.costs.module_shapes(w)[key], cluster.gpus_per_node
+    dp = ranks // (tp * cp)
+    samples = st.B / dp                               # per DP rank over the iteration
+    if key == "backbone":
+        per_sample, tokens, mb_tokens = C.backbone_stage(w, 1, 0)[0], w.backbone.seq_length, st.mbs * w.backbone.seq_length / cp
+    else:
+        per_sample, tokens = st.flops[key], st.tokens[key]
+        rows = backbone_dp * st.mbs / dp              # samples per rank in one microbatch
+        mb_tokens = max(kit.estimate.MEM_HEADROOM * rows * tokens, st.max_tokens[key])
+    f, b = C.module_fb(samples * per_sample, samples * tokens, key, sh, sh.layers, tp, cluster, rc, cp=cp, cp_comm=comm)
+    sync = C.dp_sync_time(sh.params / tp, dp * cp, ranks > gpn, cluster)
+    mem = (C.distributed_optimizer_bytes(sh.params / tp, dp * cp, cluster.value_bytes)
+           + C.activation_bytes(mb_tokens, sh, sh.layers, tp, rc))
+    return float(f + b + sync), float(mem)
 
 
-def colocated_plans(kit, w, ranks: int, cluster, st):
-    """Colocated plans on `ranks` ranks: each module TP x DP = ranks (backbone PP = 1), TP powers
-    of two <= gpus_per_node dividing the module's heads, backbone DP x microbatch dividing the
-    batch; per backbone TP, the encoder's and generator's TP that minimize their own cost."""
+def colocated_plans(kit, w, ranks: int, cluster, st, exact: bool = False):
+    """Colocated plans on `ranks` ranks, each with its estimated iteration ("estimate_s", inf if a
+    rank's memory does not hold all three modules): every module TP x DP = ranks (backbone TP x CP
+    x DP, PP = 1), TP powers of two <= gpus_per_node dividing the module's heads, backbone CP as in
+    `_backbones` (exact: 1, as measured runs), backbone DP x microbatch dividing the batch,
+    recomputation or not (exact: not); per backbone, the encoder's and generator's TP (CP 1)
+    minimizing the sum of the modules' times within memory."""
     C, b, gpn = kit.costs, w.backbone, cluster.gpus_per_node
-    side = {}
-    for k in ("encoder", "generator"):
-        tps = [t for t in C.tp_choices(gpn, C.module_shapes(w)[k].heads) if ranks % t == 0]
-        side[k] = min(tps, key=lambda t: _colocated_side_cost(kit, w, st, cluster, k, t, ranks)) if tps else None
-    if None in side.values():
+    sides = {k: [t for t in C.tp_choices(gpn, C.module_shapes(w)[k].heads) if ranks % t == 0]
+             for k in ("encoder", "generator")}
+    if not all(sides.values()):
         return
-    for tb in C.tp_choices(gpn, b.num_attention_heads, b.num_query_groups):
-        if ranks % tb == 0 and st.B % (ranks // tb * st.mbs) == 0:
-            yield {"encoder": {"tp": side["encoder"], "dp": ranks // side["encoder"]},
-                   "backbone": {"tp": tb, "pp": 1, "dp": ranks // tb},
-                   "generator": {"tp": side["generator"], "dp": ranks // side["generator"]},
-                   "placement": "colocated", "recompute": False}
+    for rc, tb in product((False,) if exact else (False, True), C.tp_choices(gpn, b.num_attention_heads,
+                                                                              b.num_query_groups)):
+        for cb, comm in CP.choices(w, tb, ranks // tb, patterns=CP.MEASURED_PATTERNS if exact else CP.PATTERNS):
+            if (exact and cb > 1) or ranks % (tb * cb) or st.B % (ranks // (tb * cb) * st.mbs):
+                continue
+            kdp = ranks // (tb * cb)
+            t_k, m_k = _colocated_module(kit, w, st, cluster, "backbone", ranks, tb, rc, kdp, cb, comm)
+            cost = {k: {t: _colocated_module(kit, w, st, cluster, k, ranks, t, rc, kdp) for t in tps}
+                    for k, tps in sides.items()}
+            best = (np.inf, sides["encoder"][0], sides["generator"][0])
+            for te, tg in product(sides["encoder"], sides["generator"]):
+                (t_e, m_e), (t_g, m_g) = cost["encoder"][te], cost["generator"][tg]
+                total = t_k + t_e + t_g if m_k + m_e + m_g <= cluster.memory_bytes else np.inf
+                if total < best[0]:
+                    best = (total, te, tg)
+            total, te, tg = best
+            yield {"encoder": {"tp": te, "dp": ranks // te}, "backbone": {"tp": tb, "cp": cb, "pp": 1, "dp": kdp},
+                   "generator": {"tp": tg, "dp": ranks // tg}, "placement": "colocated", "recompute": rc,
+                   "cp_comm": comm, "estimate_s": float(total)}
 
 
-def best_colocated_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, exact: bool = False) -> dict | None:
+def best_colocated_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, exact: bool = False,
+                        refine: int = 6) -> dict | None:
     """The fastest colocated plan by the simulator (one batch) on the most ranks that admit one
-    (exact: on exactly num_gpus, and one this runtime runs). None if none fits."""
+    (exact: on exactly num_gpus, and one this runtime runs): the `refine` best by the estimate
+    that fit in memory (all, when none does by the estimate), simulated. None if none fits."""
     for ranks in ([num_gpus] if exact else range(num_gpus, 0, -1)):
-        cands = [p for p in colocated_plans(kit, w, ranks, cluster, st) if not exact or runs_here(w, p, ranks, st)]
+        cands = [p for p in colocated_plans(kit, w, ranks, cluster, st, exact)
+                 if not exact or runs_here(w, p, ranks, st)]
         if cands:
             break
     else:
         return None
+    fits = sorted((p for p in cands if np.isfinite(p["estimate_s"])), key=lambda p: (p["estimate_s"], plan_text(p)))
     best = None
-    for plan in cands:
+    for plan in fits[:max(refine, 1)] or cands:
         r = kit.simulate(w, "disttrain", options_of(plan), num_gpus, cluster, seed=seed, num_batches=1,
                          global_batch_size=st.B, micro_batch_size=st.mbs, data_order="none" if exact else None,
                          reorder=False if exact else None)
@@ -260,15 +315,25 @@ def best_colocated_plan(kit, w, num_gpus: int, cluster, st, seed: int = 0, exact
     return best[1] if best else None
 
 
-def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact) -> dict | None:
+def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
+           fixed=None) -> dict | None:
     """SystemAdapter.search_layout for disttrain: the best disaggregated plan (the pruned search,
     best_plan; for plan=auto every plan this runtime runs on exactly num_devices processes) and
-    the best colocated plan, the faster of the two by the simulator."""
+    the best colocated plan, the faster of the two by the simulator; fixed={"placement": P} keeps
+    to one placement (the configurations of arXiv 2605.27678 are compared that way)."""
+    fixed = dict(fixed or {})
+    placement = fixed.pop("placement", None)
+    if fixed or placement not in (None, *PLACEMENTS):
+        raise ConfigError(f"disttrain's layout search can keep only placement ({'/'.join(PLACEMENTS)}) fixed, "
+                          f"not {fixed or placement}")
     st = kit.estimate.work_stats(w, global_batch_size, micro_batch_size, seed)
-    if exact:
+    if placement == "colocated":
+        disaggregated, how = None, ""
+    elif exact:
         disaggregated = best_exact_plan(kit, w, num_devices, cluster, st, seed) if num_devices >= 3 else None
         how = ("disaggregated: every plan of exactly nproc ranks passing validate_plan, ranked by the 1F1B "
-               "estimate, the best 6 re-scored by the simulator; colocated: every plan on nproc ranks, simulated")
+               "estimate, the best 6 re-scored by the simulator; colocated: every plan on nproc ranks, the best 6 by "
+               "their estimate simulated (measured runs: no CP)")
     else:
         disaggregated = best_plan(kit, w, num_devices, cluster, st)
         if disaggregated is not None:
@@ -278,10 +343,11 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
                              num_batches=1, global_batch_size=disaggregated["global_batch_size"],
                              micro_batch_size=st.mbs)
             disaggregated["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
-        how = ("disaggregated: pruned search over module TP/DP and backbone TP/PP/DP by the 1F1B estimate "
-               "(brute-force tested); colocated: every plan on the most ranks that admit one; the faster "
-               "of the two by the simulator")
-    colocated = best_colocated_plan(kit, w, num_devices, cluster, st, seed, exact)
+        how = ("disaggregated: pruned search over module TP/DP and backbone TP/CP/PP/DP (CP all-to-all or ring) by "
+               "the 1F1B estimate (brute-force tested); colocated: every plan on the most ranks that admit one, "
+               "ranked by its estimate within memory, the best 6 simulated; the faster of the two by the simulator")
+    colocated = None if placement == "disaggregated" else best_colocated_plan(kit, w, num_devices, cluster, st, seed,
+                                                                               exact)
     found = [p for p in (disaggregated, colocated) if p is not None and np.isfinite(p.get("simulated_s", np.inf))]
     if not found:
         return None

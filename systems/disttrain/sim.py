@@ -3,6 +3,10 @@
 Disaggregated: one chain encoder group -> backbone stages -> generator group under 1F1B;
 global microbatch j = microbatch j of every backbone replica, its images spread over the
 encoder (generator) replicas image by image (or, in validation, exactly the trainers' rows).
+A context-parallel backbone (cp > 1) splits every sequence over cp ranks per stage and replica
+(bench.sim.context: 1/cp of the compute and activations, all-to-all or ring communication);
+its gradients are reduced and its optimizer sharded over DP x CP. The encoder and generator
+have no CP: their groups are sized for their own bounded inputs.
 The colocated placement is priced by systems.disttrain.sim_colocated, the layout search is
 systems.disttrain.search.
 """
@@ -59,7 +63,8 @@ def simulate_step(layout, step, kit) -> StepCost:
     lays, rc, ov = module_layouts(layout), layout.details["recompute"], layout.details.get("overlap", False)
     E, K, G = lays["encoder"], lays["backbone"], lays["generator"]
     sh, gpn, B, seq = C.module_shapes(w), cluster.gpus_per_node, bc.num_samples, w.backbone.seq_length
-    tp, pp, dp = K["tp"], K["pp"], K["dp"]
+    tp, pp, dp, cp = K["tp"], K["pp"], K["dp"], K["cp"]
+    comm, mp = layout.details.get("cp_comm") or "a2a", K["tp"] * K["cp"]
     size = dp * mbs
     m, S = B // size, pp + 2
     enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
@@ -72,11 +77,12 @@ def simulate_step(layout, step, kit) -> StepCost:
     else:
         gmbs = intra_microbatch_assign(sc, m, size) if step.reorder else batch.chunks(range(B), m)
     stages = [C.backbone_stage(w, pp, s) for s in range(pp)]
-    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc) for f, _, n in stages]
+    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc, cp=cp, cp_comm=comm)
+          for f, _, n in stages]
     fwd, bwd = np.zeros((m, S)), np.zeros((m, S))
     fwd[:, 1:-1], bwd[:, 1:-1] = [f for f, _ in bb], [b for _, b in bb]
-    wf, wb = np.full((m, S), float(tp * dp)), np.full((m, S), float(tp * dp))
-    busy = tp * dp * float(fwd.sum() + bwd.sum())
+    wf, wb = np.full((m, S), float(mp * dp)), np.full((m, S), float(mp * dp))
+    busy = mp * dp * float(fwd.sum() + bwd.sum())
     tok_max = {"encoder": 0.0, "generator": 0.0}
     tok_mean = {"encoder": 0.0, "generator": 0.0}
     first = []
@@ -101,9 +107,9 @@ def simulate_step(layout, step, kit) -> StepCost:
         one, lat = float(C.p2p_time(mbs * seq, hb, 1, cluster, True)), float(C.p2p_time(0, hb, 1, cluster, True))
         enc_link = one + (fan - 1) * lat if E["dp"] >= dp else fan * one
     else:
-        enc_link = float(C.p2p_time(max(tok_mean["encoder"], 0.0), hb, tp, cluster, True))
+        enc_link = float(C.p2p_time(max(tok_mean["encoder"], 0.0), hb, mp, cluster, True))
     links = ([enc_link]
-             + [float(C.p2p_time(mbs * seq, hb, tp, cluster, tp * dp >= gpn))] * (pp - 1)
+             + [float(C.p2p_time(mbs * seq, hb, mp, cluster, mp * dp >= gpn))] * (pp - 1)
              + [float(C.p2p_time(size * w.generator.num_cond_tokens / G["dp"], hb, 1, cluster, True))])
     order = step.reorder and rd is None
     if order and fwd.shape[0] > 1 and cluster.shared_cores:
@@ -123,12 +129,12 @@ def simulate_step(layout, step, kit) -> StepCost:
         sync.append(_dp_sync(kit, p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster, ov, fwd[0, col], bwd[-1, col]))
         opt.append(C.optimizer_time(p / lay["dp"], cluster))
     for s, (_, params, n) in enumerate(stages):
-        a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc)
-        mem.append(C.distributed_optimizer_bytes(params / tp, dp, cluster.value_bytes) + a
-                   + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0.0))
-        sync.append(_dp_sync(kit, params / tp, dp, tp * dp > gpn, cluster, ov, fwd[0, 1 + s], bwd[-1, 1 + s]))
-        opt.append(C.optimizer_time(params / tp / dp, cluster))
-    gpus = E["tp"] * E["dp"] + tp * pp * dp + G["tp"] * G["dp"]
+        a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq / cp, sh["backbone"], n, tp, rc)
+        mem.append(C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes) + a
+                   + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0.0))
+        sync.append(_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, fwd[0, 1 + s], bwd[-1, 1 + s]))
+        opt.append(C.optimizer_time(params / tp / (dp * cp), cluster))
+    gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]
     data = 0.0
     if rd is not None:
         load = host.load_s(bc)

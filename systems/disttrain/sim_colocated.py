@@ -5,32 +5,55 @@ import numpy as np
 
 from systems.base import MODULES, StepCost
 from systems.disttrain.plan import module_layouts
+from workloads.reorder import assign_for_module
+
+
+def _spread(bc, key, samples, dp: int, reorder: bool):
+    """Per-rank (flops, tokens) of `samples`' images of module `key` spread over dp ranks."""
+    fl, tk, owner = ((bc.enc_flops, bc.enc_tokens, bc.enc_owner) if key == "encoder"
+                     else (bc.gen_flops, bc.gen_tokens, bc.gen_owner))
+    sel = np.isin(owner, list(samples))
+    fl, tk = fl[sel], tk[sel]
+    idx = np.arange(len(fl))
+    ranks = assign_for_module(fl, dp) if reorder else [idx[r::dp] for r in range(dp)]
+    return np.array([fl[r].sum() for r in ranks]), np.array([tk[r].sum() for r in ranks])
 
 
 def simulate_step(layout, step, kit) -> StepCost:
     """Colocated placement: every module on all P ranks with its own TP x DP, run one after another
     per microbatch (encoder fwd, regroup, backbone fwd, regroup, generator fwd+bwd, backbone bwd,
-    encoder bwd); each regroup is an all-gather over the world, so ranks move in lockstep."""
+    encoder bwd); each regroup is an all-gather over the world, so ranks move in lockstep. A
+    context-parallel backbone (TP x CP x DP = P) runs 1/cp of each of its sequences per rank
+    (bench.sim.context); the encoder and generator, TP x DP = P, have no CP. With the trainers' own
+    order (validation) each module rank runs its rows' images, as the measured runtime does;
+    otherwise a microbatch's images are spread over the encoder (generator) ranks image by image, as
+    in the disaggregated placement (a DistTrain at scale; a long sequence carries more images than
+    a microbatch has samples per rank)."""
     C, host, chunks = kit.costs, kit.host, kit.batch.chunks
     w, bc, cluster, mbs, rd = step.workload, step.costs, step.cluster, step.micro_batch_size, step.runtime_order
     lay, rc = module_layouts(layout), layout.details["recompute"]
     E, K, G = lay["encoder"], lay["backbone"], lay["generator"]
     sh, B, seq, hb = C.module_shapes(w), bc.num_samples, w.backbone.seq_length, w.backbone.hidden_size
-    P = K["tp"] * K["pp"] * K["dp"]
+    P = K["tp"] * K["cp"] * K["pp"] * K["dp"]
+    cp, comm = K["cp"], layout.details.get("cp_comm") or "a2a"
+    mp = {k: lay[k]["tp"] * lay[k]["cp"] for k in MODULES}          # ranks of one DP replica
     size = K["dp"] * mbs
     m = B // size
     if rd is not None:
         rows = {k: rd.ranks(lay[k]["dp"], size // lay[k]["dp"]) for k in MODULES}
     else:
         gm = chunks(range(B), m)
-        rows = {k: [[list(chunks(gm[j], lay[k]["dp"])[r]) for j in range(m)] for r in range(lay[k]["dp"])]
-                for k in MODULES}
+        rows = {}
+        for k in MODULES:
+            cut = [chunks(gm[j], lay[k]["dp"]) for j in range(m)]        # once per microbatch: dp x m, not dp^2 x m
+            rows[k] = [[list(cut[j][r]) for j in range(m)] for r in range(lay[k]["dp"])]
     bw, lat = C.link(cluster, P > cluster.gpus_per_node)
     def gather(per_rank_elems):              # all-gather of a tensor of that many elements per rank
         return float((P - 1) * (per_rank_elems * cluster.value_bytes / bw + lat)) if P > 1 else 0.0
     total, busy, first = 0.0, 0.0, []
     tok = {"encoder": 0.0, "generator": 0.0}
     bb_f = C.backbone_stage(w, 1, 0)[0]
+    spread = {}
     for j in range(m):
         t = {}
         for k in MODULES:
@@ -38,35 +61,41 @@ def simulate_step(layout, step, kit) -> StepCost:
                 fl = np.array([bb_f * len(r[j]) for r in rows[k]])
                 tk = np.array([seq * len(r[j]) for r in rows[k]], dtype=np.float64)
                 calls = [1] * len(rows[k]) if host.measured(cluster) else None
+            elif rd is None:
+                fl, tk = _spread(bc, k, gm[j], lay[k]["dp"], step.reorder)
+                tok[k], calls, spread[k] = max(tok[k], float(tk.max())), None, float(tk.max())
             else:
                 fl = np.array([bc.per_sample(k)[r[j]].sum() for r in rows[k]])
                 tk = np.array([bc.per_sample_tokens(k)[r[j]].sum() for r in rows[k]])
                 tok[k] = max(tok[k], float(tk.max()))
                 calls = host.module_calls(bc, k, [r[j] for r in rows[k]], cluster)
-            f, b = C.module_fb(fl, tk, k, sh[k], sh[k].layers, lay[k]["tp"], cluster, rc, calls)
-            t[k] = (host.lockstep(f, lay[k]["tp"], P, cluster), host.lockstep(b, lay[k]["tp"], P, cluster))
-            busy += lay[k]["tp"] * float(f.sum() + b.sum())
-        canvas = gather(size // E["dp"] * seq * hb)
+            f, b = C.module_fb(fl, tk, k, sh[k], sh[k].layers, lay[k]["tp"], cluster, rc, calls,
+                               cp=lay[k]["cp"], cp_comm=comm)
+            t[k] = (host.lockstep(f, mp[k], P, cluster), host.lockstep(b, mp[k], P, cluster))
+            busy += mp[k] * float(f.sum() + b.sum())
+        # the encoder's output: each rank its rows' canvas, or its images' tokens when spread
+        canvas = gather(spread["encoder"] / w.encoder.token_merge ** 2 * hb if "encoder" in spread
+                        else size // E["dp"] * seq * hb)
         cond = gather(size // K["dp"] * w.generator.num_cond_tokens * hb)
         cond_grad = gather(size // G["dp"] * w.generator.num_cond_tokens * hb)
-        canvas_grad = gather(size // K["dp"] * seq * hb)
+        canvas_grad = gather(size // K["dp"] * seq // cp * hb)     # each backbone rank: its 1/cp of the sequence
         total += sum(sum(v) for v in t.values()) + canvas + cond + cond_grad + canvas_grad
         if j == 0:
             first = [[float(bc.per_sample("encoder")[[i for r in rows["encoder"] for i in r[0]]].sum()),
                       size * bb_f, float(bc.per_sample("generator")[[i for r in rows["generator"] for i in r[0]]].sum())]]
     sync, opt, mem, data = 0.0, 0.0, 0.0, 0.0
     for k in MODULES:
-        p = sh[k].params / lay[k]["tp"]
-        sync += float(C.dp_sync_time(p, lay[k]["dp"], P > cluster.gpus_per_node, cluster))
-        opt += C.optimizer_time(p / lay[k]["dp"], cluster)
-        toks = size // lay[k]["dp"] * seq if k == "backbone" else tok[k]
-        mem += (C.distributed_optimizer_bytes(p, lay[k]["dp"], cluster.value_bytes)
+        p, shards = sh[k].params / lay[k]["tp"], lay[k]["dp"] * lay[k]["cp"]     # optimizer over DP x CP
+        sync += float(C.dp_sync_time(p, shards, P > cluster.gpus_per_node, cluster))
+        opt += C.optimizer_time(p / shards, cluster)
+        toks = size // lay[k]["dp"] * seq / cp if k == "backbone" else tok[k]
+        mem += (C.distributed_optimizer_bytes(p, shards, cluster.value_bytes)
                 + C.activation_bytes(toks, sh[k], sh[k].layers, lay[k]["tp"], rc))
     load = host.load_s(bc)
     for r in range(P):                       # each rank reads its rows once per module
         d = 0.0
         for k in MODULES:
-            mine = rows[k][(r // (lay[k]["tp"] * lay[k].get("pp", 1))) % lay[k]["dp"]]
+            mine = rows[k][(r // (mp[k] * lay[k].get("pp", 1))) % lay[k]["dp"]]
             d += C.data_time(load, [i for mb in mine for i in mb], len(mine), cluster)
         data = max(data, d)
     host_s = opt + C.harness_time(P, cluster)

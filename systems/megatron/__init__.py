@@ -41,10 +41,15 @@ class MegatronSystem(SystemAdapter):
         from workloads.mllm import MLLMStage
 
         L = ctx.layout.details
-        tp, pp, vpp = L["tp"], L["pp"], L.get("vpp", 1)
-        self.overlap = L.get("overlap", False)
+        tp, pp, vpp, cp = L["tp"], L["pp"], L.get("vpp", 1), L.get("cp", 1)
+        self.overlap, self.cp = L.get("overlap", False), cp
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                     context_parallel_size=cp)
+        if cp > 1:
+            # Ulysses all-to-alls go through DeepSpeed's comm layer, which wraps torch.distributed.
+            from systems.cpu_compat import import_deepspeed
+            import_deepspeed(ctx.device).init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         self.ctx, self.ps = ctx, ps
@@ -53,7 +58,7 @@ class MegatronSystem(SystemAdapter):
         # Interleaved: chunk v of this rank is virtual stage v x pp + pp_rank of the pp x vpp chunks.
         chunks = [MLLMStage(ctx.workload, tp_size=tp, pp_size=pp, pp_rank=self.pp_rank, pg=pg, dtype=ctx.dtype,
                             seed=ctx.seed, sequence_parallel=L.get("sp", False), vpp_size=vpp,
-                            vp_stage=v if vpp > 1 else None).to(ctx.device) for v in range(vpp)]
+                            vp_stage=v if vpp > 1 else None, attention=L.get("attention", "local")).to(ctx.device) for v in range(vpp)]
         self.config = chunks[0].config
         if ctx.device.type == "cpu":
             # Interleaved PP over gloo gives a wrong loss with batched p2p (../shared/notes/cpu-backends.md).
@@ -62,8 +67,10 @@ class MegatronSystem(SystemAdapter):
         tp_rank = ps.get_tensor_model_parallel_rank()
         modules = {n: torch.nn.ModuleList([getattr(c, n) for c in chunks if hasattr(c, n)])
                    for n in ("encoder", "backbone", "generator") if any(hasattr(c, n) for c in chunks)}
+        # CP ranks hold replicas of the weights, as DP ranks do: count those of DP x CP rank 0.
+        dp_cp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.updates = mcore.UpdateTracker(modules, dict.fromkeys(modules, tp_rank),
-                                            dict.fromkeys(modules, self.dp_rank))
+                                            dict.fromkeys(modules, dp_cp_rank))
         if self.overlap:
             for c in chunks:
                 # overlap_grad_reduce starts a bucket's reduce-scatter once every parameter in it
@@ -78,7 +85,8 @@ class MegatronSystem(SystemAdapter):
         self.optimizer = mcore.build_optimizer(self.chunks, ctx.optim, ctx.dtype)
         mcore.attach_grad_hooks(self.config, self.chunks, overlap=self.overlap)
         # Only one replica of each sample reports its loss: TP rank 0 of the last stage.
-        self.reports_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and tp_rank == 0
+        self.reports_loss = (ps.is_pipeline_last_stage(ignore_virtual=True) and tp_rank == 0
+                             and ps.get_context_parallel_rank() == 0)
 
     def train_step(self, step: int) -> StepOutput:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -89,8 +97,10 @@ class MegatronSystem(SystemAdapter):
             lm, gen = output
             per_sample = lm + gen
             sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
-            # The schedule divides by the number of microbatches; DDP averages over DP.
-            return per_sample.mean(), {}
+            # The schedule divides by the number of microbatches and multiplies by CP; DDP averages
+            # over DP x CP. Each CP rank's LM loss reaches only its own tokens, so that sums to the
+            # whole; the generator runs replicated on every CP rank, so each replica counts 1/CP.
+            return (lm + gen / self.cp).mean(), {}
 
         def forward_step(iterator, model):
             mb = next(iterator)
@@ -105,10 +115,10 @@ class MegatronSystem(SystemAdapter):
             forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0], model=self.chunks,
             num_microbatches=len(microbatches), seq_length=self.ctx.workload.backbone.seq_length,
             micro_batch_size=microbatches[0].size, forward_only=False)
-        ok, _, _ = self.optimizer.step()
+        ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
-        out = StepOutput()
+        out = StepOutput(grad_norm=grad_norm)
         if self.reports_loss:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out

@@ -12,6 +12,11 @@ theirs, as the measured runs do). overlap hides each device's DP reduce-scatter 
 microbatch's backward and its all-gather behind its first forward (bench.sim.overlap; with
 interleaving the whole device's backward, where megatron starts each chunk's sync after that
 chunk's last backward), the slowest replica's compute being what it can hide behind.
+With context parallelism (cp > 1) each of a stage's cp ranks runs the backbone on 1/cp of every
+sequence (bench.sim.context: compute, all-to-all or ring communication, activations / cp) but
+the encoder and generator whole, for all of its replica's images: they are not context-parallel
+(Megatron-LM's LLaVA), so their time and memory do not shrink with cp. Gradients are reduced and
+the distributed optimizer sharded over DP x CP (megatron's data-parallel group with CP).
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from itertools import product
 
 import numpy as np
 
-from systems.base import StepCost
+from systems import cp as CP
+from systems.base import ConfigError, StepCost
 from workloads.reorder import ModuleCost, intra_microbatch_assign
 
 
@@ -28,6 +34,8 @@ def simulate_step(layout, step, kit) -> StepCost:
     C, host, batch, schedule = kit.costs, kit.host, kit.batch, kit.schedule
     L, w, bc, cluster, mbs = layout.details, step.workload, step.costs, step.cluster, step.micro_batch_size
     tp, pp, dp, rc = L["tp"], L["pp"], L["dp"], L["recompute"]
+    cp, comm = L.get("cp", 1), L.get("cp_comm") or "a2a"
+    mp = tp * cp                     # ranks of one stage of one replica
     sh, gpn, B = C.module_shapes(w), cluster.gpus_per_node, bc.num_samples
     enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
     etok, gtok = bc.per_sample_tokens("encoder"), bc.per_sample_tokens("generator")
@@ -40,8 +48,9 @@ def simulate_step(layout, step, kit) -> StepCost:
     seq, sp, vpp, ov = w.backbone.seq_length, L.get("sp", False), L.get("vpp", 1), L.get("overlap", False)
     V = pp * vpp                     # virtual stages: chunk c of device s is c x pp + s
     vst = [C.backbone_stage(w, V, k) for k in range(V)]
-    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc) for f, _, n in vst]
-    links = [float(C.p2p_time(mbs * seq, sh["backbone"].hidden, tp, cluster, tp * dp >= gpn))] * (V - 1)
+    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc, cp=cp, cp_comm=comm)
+          for f, _, n in vst]
+    links = [float(C.p2p_time(mbs * seq, sh["backbone"].hidden, mp, cluster, mp * dp >= gpn))] * (V - 1)
     pipe, busy, first = 0.0, 0.0, None
     max_etok = max_gtok = 0.0
     hide_f, hide_b = np.full(pp, np.inf), np.full(pp, np.inf)     # compute DP comm can hide behind
@@ -61,10 +70,10 @@ def simulate_step(layout, step, kit) -> StepCost:
         else:                                # megatron-core's interleaved order, microbatches as assigned
             res = kit.interleaved.interleaved_1f1b(fwd, bwd, links, vpp)
         dev_f, dev_b = _per_device(fwd, pp), _per_device(bwd, pp)
-        pipe, busy = max(pipe, res.iteration_time), busy + tp * float(fwd.sum() + bwd.sum())
+        pipe, busy = max(pipe, res.iteration_time), busy + mp * float(fwd.sum() + bwd.sum())
         hide_f, hide_b = np.minimum(hide_f, dev_f[0]), np.minimum(hide_b, dev_b[-1])
         # Shared cores price a device's chunks as one plain-1F1B stage (no interleaved order there).
-        chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], np.full_like(dev_f, tp), np.full_like(dev_b, tp)))
+        chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], np.full_like(dev_f, mp), np.full_like(dev_b, mp)))
         max_etok = max(max_etok, max(etok[m].sum() for m in mbl))
         max_gtok = max(max_gtok, max(gtok[m].sum() for m in mbl))
         first = first or [[float(enc[m].sum()), len(m) * C.backbone_stage(w, 1, 0)[0], float(gen[m].sum())]
@@ -79,7 +88,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         p, chunk = 0.0, []
         for k in range(s, V, pp):            # this device's chunks
             _, params, n = vst[k]
-            a = C.activation_bytes(mbs * seq, sh["backbone"], n, tp, rc, sp)
+            a = C.activation_bytes(mbs * seq / cp, sh["backbone"], n, tp, rc, sp)
             if k == 0:                       # SP is the backbone's only (systems/megatron/layout.py)
                 p += sh["encoder"].params
                 a += C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, tp, rc, sp=False)
@@ -87,12 +96,12 @@ def simulate_step(layout, step, kit) -> StepCost:
                 p += sh["generator"].params
                 a += C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, tp, rc, sp=False)
             p, chunk = p + params, chunk + [a]
-        act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, tp) if s == pp - 1 else 0)
-        mem.append(C.distributed_optimizer_bytes(p / tp, dp, cluster.value_bytes) + act)
-        sync.append(_dp_sync(kit, p / tp, dp, tp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
-        opt.append(C.optimizer_time(p / tp / dp, cluster))     # distributed optimizer: a 1/dp shard
-    host_s = max(opt) + C.harness_time(tp * pp * dp, cluster)
-    return StepCost(pipe, max(sync) + host_s, busy, max(mem), tp * pp * dp, first, data)
+        act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0)
+        mem.append(C.distributed_optimizer_bytes(p / tp, dp * cp, cluster.value_bytes) + act)
+        sync.append(_dp_sync(kit, p / tp, dp * cp, mp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
+        opt.append(C.optimizer_time(p / tp / (dp * cp), cluster))     # distributed optimizer: a 1/(dp cp) shard
+    host_s = max(opt) + C.harness_time(mp * pp * dp, cluster)
+    return StepCost(pipe, max(sync) + host_s, busy, max(mem), mp * pp * dp, first, data)
 
 
 def _per_device(x, pp: int):
@@ -109,36 +118,54 @@ def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) ->
 
 
 def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool, sp: bool = False, vpp: int = 1,
-             overlap: bool = False) -> float:
+             overlap: bool = False, cp: int = 1, cp_comm: str = "a2a") -> float:
     """Closed-form iteration estimate of one layout (identical microbatches of mean work);
     inf if a device does not fit in memory or the interleaved schedule cannot run."""
-    C, I = kit.costs, kit.interleaved
-    sh, seq, gpn = C.module_shapes(w), w.backbone.seq_length, cluster.gpus_per_node
-    m, V = st.B // (dp * st.mbs), pp * vpp
-    if vpp > 1 and (pp == 1 or m % pp):
-        return float("inf")
+    parts = _stages(w, st, cluster, kit, tp, pp, rc, sp, vpp, cp, cp_comm)
+    return _estimate(w, st, cluster, kit, parts, tp, pp, dp, vpp, overlap, cp)
+
+
+def _stages(w, st, cluster, kit, tp, pp, rc, sp, vpp, cp, cp_comm):
+    """What does not depend on DP: per device forward and backward seconds of one mean
+    microbatch, parameters, and activation bytes per chunk."""
+    C = kit.costs
+    sh, seq, V = C.module_shapes(w), w.backbone.seq_length, pp * vpp
     t_f, t_b, params = np.zeros(pp), np.zeros(pp), np.zeros(pp)
-    chunk = np.zeros((pp, vpp))
+    chunk, seen = np.zeros((pp, vpp)), {}
     for k in range(V):
         s, c = k % pp, k // pp
         f, p, n = C.backbone_stage(w, V, k)
-        bf, bb = C.module_fb(st.mbs * f, st.mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc)
+        if (f, n) not in seen:                 # the chunks are equal but for the last one's logits
+            seen[f, n] = C.module_fb(st.mbs * f, st.mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc,
+                                     cp=cp, cp_comm=cp_comm)
+        bf, bb = seen[f, n]
         t_f[s], t_b[s], params[s] = t_f[s] + bf, t_b[s] + bb, params[s] + p
-        chunk[s, c] = C.activation_bytes(st.mbs * seq, sh["backbone"], n, tp, rc, sp)
-    for key, k in (("encoder", 0), ("generator", V - 1)):
+        chunk[s, c] = C.activation_bytes(st.mbs * seq / cp, sh["backbone"], n, tp, rc, sp)
+    for key, k in (("encoder", 0), ("generator", V - 1)):       # whole on every CP rank
         s, c = k % pp, k // pp
         fl, tk = st.mbs * st.flops[key], st.mbs * st.tokens[key]
         ef, eb = C.module_fb(fl, tk, key, sh[key], sh[key].layers, tp, cluster, rc)
         t_f[s], t_b[s], params[s] = t_f[s] + ef, t_b[s] + eb, params[s] + sh[key].params
-        tokens = max(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
+        tokens = kit.estimate.memory_tokens(st, key, st.mbs)
         chunk[s, c] += C.activation_bytes(tokens, sh[key], sh[key].layers, tp, rc, sp=False)
+    return t_f, t_b, params, chunk
+
+
+def _estimate(w, st, cluster, kit, parts, tp, pp, dp, vpp, overlap, cp) -> float:
+    C, I = kit.costs, kit.interleaved
+    t_f, t_b, params, chunk = parts
+    m, mp, gpn = st.B // (dp * st.mbs), tp * cp, cluster.gpus_per_node
+    if vpp > 1 and (pp == 1 or m % pp):
+        return float("inf")
     for s in range(pp):
-        mem = (C.distributed_optimizer_bytes(params[s] / tp, dp, cluster.value_bytes)
-               + I.peak_activations(s, pp, vpp, m, chunk[s]) + (C.logits_bytes(w, st.mbs, tp) if s == pp - 1 else 0.0))
+        mem = (C.distributed_optimizer_bytes(params[s] / tp, dp * cp, cluster.value_bytes)
+               + I.peak_activations(s, pp, vpp, m, chunk[s]) + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         if mem > cluster.memory_bytes:
             return float("inf")
-    link = float(C.p2p_time(st.mbs * seq, sh["backbone"].hidden, tp, cluster, tp * dp >= gpn)) if pp > 1 else 0.0
-    sync = max(_dp_sync(kit, params[s] / tp, dp, tp * dp > gpn, cluster, overlap, t_f[s], t_b[s]) for s in range(pp))
+    hidden, seq = w.backbone.hidden_size, w.backbone.seq_length
+    link = float(C.p2p_time(st.mbs * seq, hidden, mp, cluster, mp * dp >= gpn)) if pp > 1 else 0.0
+    sync = max(_dp_sync(kit, params[s] / tp, dp * cp, mp * dp > gpn, cluster, overlap, t_f[s], t_b[s])
+               for s in range(pp))
     return I.estimate(t_f + t_b, link, m, vpp) + sync
 
 
@@ -148,25 +175,57 @@ VPP_TOLERANCE = 0.005
 
 
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
-           recompute=(False, True)) -> dict | None:
-    """The best single (tp, pp, dp, vpp) layout by the estimate per sample: a fair monolithic
+           recompute=(False, True), fixed=None) -> dict | None:
+    """The best single (tp, cp, pp, dp, vpp) layout by the estimate per sample: a fair monolithic
     baseline, with what practitioners turn on: sequence parallelism whenever TP > 1 (it only
-    saves memory here), DP communication overlap, and interleaving (the fewest chunks within
-    VPP_TOLERANCE of the best). Not exact: any DP, the batch rounded to a multiple of DP x
-    microbatch (kit.estimate.batch_dps), as DistTrain's search does. exact: every device used
-    (dp = num_devices / (tp * pp)), DP dividing the batch, no recomputation (what runs)."""
+    saves memory here), DP communication overlap, interleaving (the fewest chunks within
+    VPP_TOLERANCE of the best) and context parallelism (cp a power of two, all-to-all or ring,
+    systems.cp.choices; what long sequences need to fit). Not exact: any DP, the batch rounded to
+    a multiple of DP x microbatch (kit.estimate.batch_dps), as DistTrain's search does. exact:
+    every device used (dp = num_devices / (tp * cp * pp)), DP dividing the batch, no
+    recomputation, CP all-to-all only (what runs)."""
+    if fixed:
+        raise ConfigError(f"megatron's layout search keeps no option fixed ({', '.join(fixed)}); "
+                          "give the whole layout instead of --layout auto")
     C = kit.costs
     st = kit.estimate.work_stats(w, global_batch_size, micro_batch_size, seed)
     heads = (w.backbone.num_attention_heads, w.backbone.num_query_groups, w.encoder.num_attention_heads,
              w.generator.num_attention_heads)
-    best = None
+    patterns = CP.MEASURED_PATTERNS if exact else CP.PATTERNS
+    parts = {}                       # the DP-independent costs of each (tp, pp, rc, vpp, cp, cp_comm)
+
+    def stages(tp, pp, rc, vpp, cp, comm):
+        if (tp, pp, rc, vpp, cp, comm) not in parts:
+            parts[tp, pp, rc, vpp, cp, comm] = _stages(w, st, cluster, kit, tp, pp, rc, tp > 1, vpp, cp, comm)
+        return parts[tp, pp, rc, vpp, cp, comm]
+
+    # Seconds per sample are at least work / (pp x dp x mbs), the mean device's share of a microbatch
+    # (any vpp: interleaving moves work between devices, not its sum). Groups are visited by that
+    # bound at their largest DP, and DP downwards, until it reaches the best estimate found: exact.
+    groups = []
     for rc, tp, pp in product((False,) if exact else recompute, C.tp_choices(cluster.gpus_per_node, *heads),
                               C.divisors(w.backbone.num_layers)):
-        for dp, batch in kit.estimate.batch_dps(st, num_devices // (tp * pp), exact):
-            if exact and tp * pp * dp != num_devices:
+        if tp > 1 and w.backbone.seq_length % tp:
+            continue
+        for cp, comm in CP.choices(w, tp, num_devices // (tp * pp), tp > 1, patterns):
+            if tp * cp * pp > num_devices:
                 continue
+            t_f, t_b, _, _ = stages(tp, pp, rc, 1, cp, comm)
+            work = float((t_f + t_b).sum()) / (pp * st.mbs)
+            groups.append((work / (num_devices // (tp * cp * pp)), work, rc, tp, pp, cp, comm))
+    groups.sort(key=lambda g: g[:1])
+    best = None
+    for bound, work, rc, tp, pp, cp, comm in groups:
+        if best is not None and bound >= best["estimate_s"] / best["global_batch_size"]:
+            break
+        dps = kit.estimate.batch_dps(st, num_devices // (tp * cp * pp), exact)
+        for dp, batch in sorted(dps, reverse=True):
+            if exact and tp * cp * pp * dp != num_devices:
+                continue
+            if best is not None and work / dp >= best["estimate_s"] / best["global_batch_size"]:
+                break
             sb = replace(st, B=batch)
-            scores = {vpp: estimate(w, sb, cluster, kit, tp, pp, dp, rc, sp=tp > 1, vpp=vpp, overlap=True)
+            scores = {vpp: _estimate(w, sb, cluster, kit, stages(tp, pp, rc, vpp, cp, comm), tp, pp, dp, vpp, True, cp)
                       for vpp in (C.divisors(w.backbone.num_layers // pp) if pp > 1 else (1,))}
             top = min(scores.values())
             if not np.isfinite(top):
@@ -174,8 +233,9 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
             vpp = min(v for v, t in scores.items() if t <= (1 + VPP_TOLERANCE) * top)
             if best is None or scores[vpp] / batch < best["estimate_s"] / best["global_batch_size"]:
                 best = {"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": tp > 1, "vpp": vpp,
-                                    "overlap": True}, "estimate_s": scores[vpp], "global_batch_size": batch}
+                                    "overlap": True, "cp": cp, "cp_comm": comm},
+                        "estimate_s": scores[vpp], "global_batch_size": batch}
     if best is not None:
-        best["search"] = ("every (tp, pp, dp, vpp, recompute) with sequence parallelism (TP > 1) and DP overlap, "
-                          "ranked by the closed-form (interleaved) 1F1B estimate per sample")
+        best["search"] = ("every (tp, cp, pp, dp, vpp, recompute) with sequence parallelism (TP > 1), DP overlap and "
+                          "CP all-to-all or ring, ranked by the closed-form (interleaved) 1F1B estimate per sample")
     return best
