@@ -107,7 +107,7 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
             print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
         start = time.perf_counter()
         service = _data_service(cfg, dataset)
-        with _sigterm_interrupts(), service as service_env:
+        with sigterm_interrupts(), service as service_env:
             if nodes is not None:           # the other nodes start their torchrun once this exists
                 _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
             outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
@@ -129,9 +129,9 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """`kill PID` of the runner stops the run as Ctrl-C does: its processes killed, a record
-    appended, instead of torchrun and its ranks left running without a parent."""
+def sigterm_interrupts():
+    """`kill PID` of the runner (or scancel of its SLURM job) stops the run as Ctrl-C does: its
+    processes killed, a record appended, instead of torchrun and its ranks left running without a parent."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

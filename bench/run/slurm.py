@@ -32,9 +32,7 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,7 +238,7 @@ def follow(cfg: RunConfig, nodes: runner.Nodes, results: Path) -> dict:
     env = runner.launch_env(cfg, dict(launch["env"]) | {runner.RUN_ID_ENV: launch["run_id"]})
     log = results.parent / "logs" / f"{launch['run_id']}.node{nodes.rank}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out, _sigterm_interrupts():
+    with open(log, "w") as out, runner.sigterm_interrupts():
         proc = subprocess.Popen(cmd, cwd=runner.REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             seen = None
@@ -269,22 +267,6 @@ def _tree(psutil, pid: int) -> list:
         return [*root.children(recursive=True), root]
     except psutil.Error:
         return []
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM (scancel, `kill`) as Ctrl-C: jobs cancelled, processes ended, instead of left behind."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # ---- the submitting side ----------------------------------------------------------------------
@@ -323,7 +305,7 @@ def submit_all(pending: list[Pending], s: Settings, new_executor: Callable[[], A
     poll_s = poll_s if poll_s is not None else (1.0 if s.executor == "local" else 10.0)
     queue, active, failures, finished = list(pending), [], [], 0
     shown, shown_at = None, 0.0
-    with _sigterm_interrupts():
+    with runner.sigterm_interrupts():
         try:
             while queue or active:
                 while queue and len(active) < s.limit:
