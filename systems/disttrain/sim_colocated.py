@@ -91,8 +91,10 @@ def simulate_step(layout, step, kit) -> StepCost:
         toks = size // lay[k]["dp"] * seq / cp if k == "backbone" else tok[k]
         mem += (C.distributed_optimizer_bytes(p, shards, cluster.value_bytes)
                 + C.activation_bytes(toks, sh[k], sh[k].layers, lay[k]["tp"], rc))
+    # The measured runtime preprocesses in the trainers: each rank reads its rows once per module.
+    # At GPU scale DistTrain preprocesses in separate workers, whatever the placement (as sim.py).
     load = host.load_s(bc)
-    for r in range(P):                       # each rank reads its rows once per module
+    for r in range(P if rd is not None else 0):
         d = 0.0
         for k in MODULES:
             mine = rows[k][(r // (mp[k] * lay[k].get("pp", 1))) % lay[k]["dp"]]
