@@ -16,7 +16,13 @@ done
 # status (non-zero when any run failed) is the job's.
 status=0
 $py -m bench sweep "${1:-bench/sweeps/default.toml}" || status=$?
-$py -m bench validate
+# Profiled again after the sweep: the machine's speed drifts (10-25% between profiles an hour
+# apart), so validation simulates each run with both profiles and takes the median.
+for workload in small small-enc-heavy tiny; do
+    out="results/profiles/after-sweep/cpu-$workload.json"
+    [ -f "$out" ] || $py -m bench profile --workload "$workload" --out "$out"
+done
+$py -m bench validate --profiles results/profiles --profiles results/profiles/after-sweep
 $py -m analysis report
 echo "report: results/report/report.md"
 exit $status

@@ -44,6 +44,9 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     assert g["grid"] == [32, 64, 128] and len(g["rows"]) == 27 and g["threads"] == 1
     assert all(r[f"{k}_s"] > 0 for r in g["rows"] for k in ("forward", "dgrad", "wgrad"))
     assert g["leave_one_out_error"]["points"] == 3
+    tp = p["tp"]["2"]                                        # each module timed at TP 2 in 2 processes
+    for n in MODULES:
+        assert tp[n]["seconds"] > 0 and tp[n]["speedup"] == pytest.approx(tp[n]["tp1_seconds"] / tp[n]["seconds"])
 
 
 @pytest.mark.multiprocess

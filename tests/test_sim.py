@@ -291,6 +291,23 @@ def test_cpu_cluster_costs_overhead_slowdown_and_fp32():
     assert gpu.compute_slowdown == 1.0 and gpu.value_bytes == 2 and not gpu.host
 
 
+def test_measured_tp_speedup_replaces_the_tp_model_on_cpu():
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    plain = cluster_from_profile(prof, processes=2, cores=2)
+    prof["tp"] = {"2": {n: {"seconds": 1.0, "tp1_seconds": 0.8, "speedup": 0.8} for n in ("encoder", "backbone",
+                                                                                         "generator")}}
+    measured = cluster_from_profile(prof, processes=2, cores=2)
+    assert measured.tp_speedup == {n: {2: 0.8} for n in ("encoder", "backbone", "generator")}
+    sh = C.module_shapes(get_workload("tiny"))["backbone"]
+    one = sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 1, measured))
+    two = sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 2, measured))
+    assert two == pytest.approx(one / 0.8)            # slower at TP 2, as measured; no collectives added
+    assert sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 2, plain)) < one   # the model: ~half + comm
+    assert sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 4, measured)) < one  # TP 4: not measured
+
+
 def test_runtime_data_order_and_dataset_steps():
     cl = _cpu_cluster(processes=2)
     kw = dict(global_batch_size=8, micro_batch_size=2, seed=1234, num_samples=64)

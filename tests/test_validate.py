@@ -133,3 +133,27 @@ def test_cpu_cluster_from_profile():
 
 def test_markdown_without_runs():
     assert "No measured CPU run" in markdown([])
+
+
+def test_several_profiles_give_the_median_and_their_range(tmp_path):
+    """The machine drifts between profiles: each run is simulated with every folder's profile of its
+    workload, the median counts and the table shows the range."""
+    dirs = [tmp_path / "start", tmp_path / "end"]
+    slow = synthetic_profile()
+    slow["date"] = "2026-01-01T01:00:00Z"
+    for m in slow["modules"].values():
+        m["rate_flops"] /= 2                          # the machine ran at half speed for the second profile
+    for d, prof in zip(dirs, (synthetic_profile(), slow)):
+        d.mkdir()
+        (d / "cpu-tiny.json").write_text(json.dumps(prof))
+    results = tmp_path / "runs.jsonl"
+    results.write_text(json.dumps(measured_record("megatron", 2, {}, 0.05)) + "\n")
+    one, _ = validate(results, tmp_path / "one.md", profile_dir=dirs[:1], measure_missing=False, log=lambda *a: None)
+    rows, md = validate(results, profile_dir=dirs, measure_missing=False, log=lambda *a: None)
+    (row,) = rows
+    assert row["profiles"] == 2 and row["simulated_low_s"] == pytest.approx(one[0]["simulated_s"])
+    assert row["simulated_high_s"] > row["simulated_low_s"]
+    assert row["simulated_s"] == pytest.approx((row["simulated_low_s"] + row["simulated_high_s"]) / 2)
+    sim = [r for r in read_records(results) if r["mode"] == "simulated"][-1]
+    assert sim["config"]["profile"] == [str(d / "cpu-tiny.json") for d in dirs]
+    assert f"({row['simulated_low_s']:.4g}..{row['simulated_high_s']:.4g})" in md.read_text()

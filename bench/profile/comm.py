@@ -49,25 +49,32 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
     dist.destroy_process_group()
 
 
+def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, timeout: float = 60.0) -> dict:
+    """Spawn `nprocs` local processes of `worker(rank, port, *args, out_file)`; rank 0 writes JSON to
+    `out`, which is returned. A timeout or a failed process is a RuntimeError naming `what`."""
+    import torch.multiprocessing as mp
+    from bench.environment import free_port
+    ctx = mp.start_processes(worker, args=(free_port(), *args, str(out)), nprocs=nprocs, join=False,
+                             start_method="spawn")
+    deadline = time.time() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise RuntimeError(f"{what} timed out after {timeout:g} s")
+    except mp.ProcessException as e:
+        raise RuntimeError(f"{what} failed: {e}") from None
+    return json.loads(out.read_text())
+
+
 def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> dict:
     """gloo between 2 local processes: p2p one-way latency/bandwidth, 2-rank all-reduce."""
     import tempfile
-    import torch.multiprocessing as mp
-    from bench.environment import free_port
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "comm.json"
-        ctx = mp.start_processes(_comm_worker, args=(free_port(), list(sizes), iters, str(out)), nprocs=2,
-                                 join=False, start_method="spawn")
-        deadline = time.time() + timeout
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.time() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    raise RuntimeError("gloo communication measurement timed out")
-        except mp.ProcessException as e:
-            raise RuntimeError(f"gloo communication measurement failed: {e}") from None
-        raw = json.loads(out.read_text())
+        raw = run_processes(_comm_worker, (list(sizes), iters), Path(tmp) / "comm.json",
+                            "gloo communication measurement", timeout=timeout)
+
     def fit(points):
         """(latency: median time of the messages <= 4 KiB, seconds per byte: least-squares slope
         over the messages >= 1 MiB); separate ranges, so neither term swamps the other."""

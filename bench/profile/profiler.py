@@ -4,8 +4,9 @@ Method (CPU or one GPU, ONE process, a gloo world of 1): each module (encoder, b
 generator) is built at TP = 1 exactly as the trainers build it (megatron-core layers wrapped
 in megatron DDP, canonical weights) and its forward and backward are timed, separately, on
 real preprocessed microbatches of the workload's dataset (the same shards the runs read),
-each microbatch `repeats` times (median: a training step's typical speed, robust to one
-interrupted repeat; profile on a quiet machine, the load average is recorded). Per-layer times are the module's time divided by
+in `repeats` passes over all microbatches in training order (median per microbatch: a training
+step's typical speed, robust to one interrupted pass; profile on a quiet machine, the load
+average is recorded). Per-layer times are the module's time divided by
 its layers (so they include the module's embeddings / projector / logits). Model FLOPs
 come from workloads.flops; achieved FLOP/s = FLOPs / (forward + backward); efficiency =
 achieved / peak, with the CPU peak measured here by bench.metrics.measure_cpu_matmul_flops
@@ -48,6 +49,7 @@ from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile
 from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
 from bench.profile.gemm import gemm_table
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
+from bench.profile.tp import TP, measure_tp
 from workloads.presets import MODULES
 
 __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "add_parser", "default_path",
@@ -63,7 +65,7 @@ CPU_MAX_PARAMS = 500e6
 def profile_workload(workload: str, *, data_profile: str | None = None, device: str = "cpu",
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
-                     comm: bool = True, gemm_grid=(), log=print) -> dict:
+                     comm: bool = True, gemm_grid=(), tp: bool = True, log=print) -> dict:
     """Measure one workload on the hardware present; returns the profile dict (see module doc).
     gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none."""
     import torch
@@ -141,6 +143,10 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                 f"{comm_result['allreduce']['bandwidth_Bps'] / 1e9:.2f} GB/s")
         except (RuntimeError, OSError) as e:
             log(f"[profile]   communication not measured: {e}")
+    tp_result = None
+    if tp and device == "cpu":
+        tp_result = _measure_tp(w, rec, seed=seed, microbatches=microbatches, repeats=repeats, data_root=root,
+                                num_samples=num_samples, log=log)
     elapsed = time.perf_counter() - started
     return {
         "schema": SCHEMA, "derived": False, "workload": w.name, "data_profile": w.data_profile.name,
@@ -152,7 +158,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_measurements": peaks,
         "timing_method": ("whole module forward and backward (megatron DDP-wrapped, TP = 1) on real preprocessed "
-                          "microbatches, median of repeats; per-layer = module time / layers; modules run "
+                          "microbatches, passes over all of them in order, median of the passes; per-layer = module time / layers; modules run "
                           "encoder -> backbone -> generator with detached inputs, as between ranks"),
         "memory_method": ("activation_bytes: bytes of the distinct storages autograd saves for backward during "
                           "a module's forward (saved_tensors_hooks, an untimed pass per microbatch); "
@@ -160,8 +166,25 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                                                    if device == "cpu" else "torch.cuda.max_memory_allocated")),
         "peak_memory_bytes": int(peak_mem),
         "modules": modules, "optimizer": optim, "data": data_costs(w, metas, load_t, coll_t),
-        "comm": comm_result, "gemm": gemm, "elapsed_s": elapsed,
+        "comm": comm_result, "gemm": gemm, "tp": tp_result, "elapsed_s": elapsed,
     }
+
+
+def _measure_tp(w, rec, *, log, **kw) -> dict | None:
+    """Each module at TP 2 in 2 processes (bench.profile.tp), or None where a module's heads do not split."""
+    shapes = [getattr(w, n) for n in MODULES]
+    if any(s.num_attention_heads % TP or getattr(s, "num_query_groups", TP) % TP for s in shapes):
+        log(f"[profile]   TP {TP} not measured: a module's attention heads do not split over {TP} ranks")
+        return None
+    try:
+        out = measure_tp(w.name, w.data_profile.name, {n: sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES},
+                         **kw)
+    except (RuntimeError, OSError) as e:
+        log(f"[profile]   TP {TP} not measured: {e}")
+        return None
+    log(f"[profile]   TP {TP} speedup (TP-1 s / TP-{TP} s, gloo collectives included): " +
+        ", ".join(f"{n} {out[str(TP)][n]['speedup']:.2f}" for n in MODULES))
+    return out
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -180,6 +203,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process gloo measurement")
     p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
+    p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 (2 processes)")
     p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "
                    "(default: bench.profile.gemm.CPU_GRID or CUDA_GRID)")
     p.add_argument("--spec", default=None, help="derive a profile for this PEAK_FLOPS key instead of measuring")
@@ -216,7 +240,7 @@ def handle(args, results_path) -> int:
             prof = profile_workload(args.workload, data_profile=args.data_profile, device=args.device,
                                     dtype=args.dtype, threads=args.threads, microbatches=args.microbatches,
                                     repeats=args.repeats, comm=not args.no_comm,
-                                    gemm_grid=None if args.no_gemm else grid)
+                                    gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -93,6 +93,9 @@ class Cluster:
     # times slower than profiled ("uniform" model), or, with `shared_cores`, the schedule shares
     # that many cores among the processes busy at each instant ("shared" model; then
     # compute_slowdown = 1); host work (data, optimizer: every process busy) `host_slowdown` slower.
+    # Measured TP speedup per module and TP degree (a CPU profile's "tp": TP-1 seconds / TP-t seconds,
+    # collectives included; bench/profile/tp.py): replaces FLOPs / t + modelled collectives there.
+    tp_speedup: dict = field(default_factory=dict)
     compute_slowdown: float = 1.0
     host_slowdown: float = 1.0
     shared_cores: float | None = None
@@ -279,8 +282,12 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         peak_flops_measured=peak, peak_flops_measured_source=profile.get("peak_flops_source", where),
         value_bytes=2 if profile.get("dtype") == "bf16" else 4,
         overhead_s={n: float(mods[n].get("overhead_s", 0.0)) for n in MODULES},
-        # bench validate pins this fit of whole microbatches; the profile's GEMM table is not used here
-        hbm_bw=None, hbm_bw_source="", compute_model="flat", compute_source=f"measured: {where}",
+        # The per-module rate is measured at TP 1 on whole microbatches; at TP > 1 the profile's GEMM
+        # table says how much slower the smaller per-rank GEMMs run (bench.sim.gemm, "table").
+        hbm_bw=None, hbm_bw_source="", compute_model="table" if profile.get("gemm") else "flat",
+        gemm_table=profile.get("gemm"), compute_source=f"measured: {where}",
+        tp_speedup={n: {int(t): float(rows[n]["speedup"])} for t, rows in (profile.get("tp") or {}).items()
+                    if t.isdigit() for n in MODULES},
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
                            for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),

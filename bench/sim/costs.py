@@ -226,7 +226,12 @@ def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, reco
 def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: int, cluster: Cluster,
               recompute: bool = False, calls=None, cp: int = 1, cp_comm: str | None = "a2a"):
     """(forward, backward) seconds of a module's `flops` over `tokens` (the whole replica's) on
-    TP x CP ranks: compute, TP collectives over each rank's tokens / cp, CP communication."""
+    TP x CP ranks: compute, TP collectives over each rank's tokens / cp, CP communication. Where
+    the cluster measured this module's TP speedup (a CPU profile), the TP-1 time / that speedup."""
+    speedup = cluster.tp_speedup.get(module, {}).get(tp) if cp == 1 else None
+    if speedup:
+        cf, cb = compute_fb(flops, module, 1, cluster, recompute, calls, shape=shape, tokens=tokens)
+        return cf / speedup, cb / speedup
     cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls, shape=shape, tokens=tokens, cp=cp)
     mf, mb = tp_comm_fb(np.asarray(tokens, dtype=np.float64) / cp, shape.hidden, layers, tp, cluster, recompute, calls)
     if cp > 1:

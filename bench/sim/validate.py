@@ -4,11 +4,14 @@ For every measured, ok record that ran on the CPU, of a system that has a cost m
 (SystemAdapter.simulate_step), the same configuration is simulated (workload, data profile, global and micro batch, layout or
 plan, process count, the measured steps' very samples and the trainers' own data
 assignment) on a CPU cluster built from the measured profile of this machine
-(results/profiles/cpu-<workload>.json; measured first if missing): per-module compute from
+(results/profiles/cpu-<workload>.json; measured first if missing), or from each of several
+profiles of it (`--profiles DIR` repeated: the machine's speed drifts by 10-25% between
+profiles taken an hour apart, so the simulated time is the median over the profiles and the
+table shows their range): per-module compute from
 the profile's fit, gloo latency and bandwidth, the host costs (preprocessing in the trainer,
 optimizer step), and the processes sharing `cores` CPU cores: with P processes on C cores each
 gets min(1, C / P) of a core, so compute runs max(1, P / C) times slower. Nothing is fitted per
-record: every constant comes from the one profile.
+record: every constant comes from the profiles.
 
 Each simulation is appended as a record (mode "simulated", tags {"experiment": "validation",
 "measured_run_id": ...}) and `validation.md` beside the results file gets the table system,
@@ -87,14 +90,18 @@ def measured_step_s(record: dict) -> float:
     return float(m) if m is not None else float(statistics.median(s["latency_s"] for s in record["steps"]))
 
 
-def validation_record(record: dict, profile: dict, profile_path: str | None, cores: int | None = None) -> dict:
+def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cores: int | None = None) -> dict:
+    """The measured `record` simulated on each of `profiles` ((profile, path) pairs of its workload):
+    a simulated record whose iteration time is the median over the profiles."""
     from bench.metrics import throughput
     from bench.records import build_record, new_run_id
     from bench.sim import costs as C
     from workloads.flops import ModuleFlops
-    r = simulate_measured(record, profile, cores)
+    runs = [simulate_measured(record, prof, cores) for prof, _ in profiles]
+    by_profile = [x["median_iteration_s"] for x in runs]
+    r, (profile, _) = runs[0], profiles[0]
     cluster = r["cluster"]
-    sim_s, meas_s = r["median_iteration_s"], measured_step_s(record)
+    sim_s, meas_s = float(statistics.median(by_profile)), measured_step_s(record)
     cfg = record["config"]
     B = int(cfg["global_batch_size"])
     flops = ModuleFlops(**r["flops_per_iteration"])
@@ -104,23 +111,31 @@ def validation_record(record: dict, profile: dict, profile_path: str | None, cor
     error = 100.0 * (sim_s - meas_s) / meas_s
     metrics = {**tp.as_dict(), "iteration_time_s": sim_s, "iteration_times_s": r["iteration_times_s"],
                "bubble_fraction": r["bubble_fraction"], "per_gpu_memory_gib": r["per_gpu_memory_gib"],
-               "measured_iteration_time_s": meas_s, "error_pct": error, "gpus_used": r["gpus_used"]}
-    config = {"measured_config": cfg, "cluster": cluster.name, "profile": profile_path,
+               "measured_iteration_time_s": meas_s, "error_pct": error, "gpus_used": r["gpus_used"],
+               "iteration_time_s_by_profile": by_profile}
+    config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
               "processes": processes_of(record), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}
     assumptions = {**cluster.assumptions(), "cost_model": C.__doc__.strip(),
                    "validation": ("same configuration as the measured run (its steps' samples, the trainers' "
                                   "data assignment, its layout and process count); every constant from the "
-                                  "profile; simulated metric: median over the measured steps"),
-                   "profile_date": profile.get("date"), "profile_load_average": profile.get("load_average")}
+                                  "profiles; simulated metric: median over the measured steps, then over the "
+                                  "profiles (the cluster assumptions below: the first profile's)"),
+                   "profile_date": profile.get("date"), "profile_load_average": profile.get("load_average"),
+                   "profile_dates": [p.get("date") for p, _ in profiles]}
     return build_record(run_id=new_run_id(), mode="simulated", system=record["system"], workload=record["workload"],
                         data_profile=record["data_profile"], status="ok", num_devices=record["num_devices"],
                         layout={"label": record["layout"].get("label"), "sim_label": r["label"],
                                 **{k: v for k, v in record["layout"].items() if k != "label"}},
                         config=config, env={"simulator": "bench.sim", "validated_against": "measured"},
                         tags={"experiment": "validation", "measured_run_id": record["run_id"],
-                              "profile_date": str(profile.get("date"))},
+                              "profile_date": profiles_key(p for p, _ in profiles)},
                         metrics=metrics, assumptions=assumptions)
+
+
+def profiles_key(profiles) -> str:
+    """What a validation was simulated with: its profiles' dates (a rerun with the same ones is skipped)."""
+    return ",".join(str(p.get("date")) for p in profiles)
 
 
 def _seq(record: dict) -> int:
@@ -139,6 +154,10 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
     for group in groups.values():
         measured = [measured_step_s(m) for m, _ in group]
         simulated = statistics.median(float(s["metrics"]["iteration_time_s"]) for _, s in group)
+        by_profile = [s["metrics"].get("iteration_time_s_by_profile") or [s["metrics"]["iteration_time_s"]]
+                      for _, s in group]
+        sim_low, sim_high = (statistics.median(min(b) for b in by_profile),
+                             statistics.median(max(b) for b in by_profile))
         median, low, high = statistics.median(measured), min(measured), max(measured)
         shares = [m["metrics"].get("outside_cpu_share") for m, _ in group]
         shares = [x for x in shares if x is not None]
@@ -149,6 +168,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                      "reorder": meas["config"].get("data", {}).get("reorder", "none"),
                      "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
+                     "simulated_low_s": sim_low, "simulated_high_s": sim_high, "profiles": len(by_profile[0]),
                      "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
                      "outside_cpu_share": statistics.median(shares) if shares else None})
     return rows
@@ -161,7 +181,8 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "Measured CPU configurations against the simulator on a CPU cluster built from this machine's "
              "profile (`python -m bench validate`). Error = (simulated - median of the repeats) / median; "
              "spread = the repeats' range (min..max, ± half of it relative to the median); other load = the "
-             "median share of the machine's CPU that processes outside the run used while it measured.", ""]
+             "median share of the machine's CPU that processes outside the run used while it measured; with "
+             "several profiles, simulated = the median over them (their range in brackets).", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
@@ -172,7 +193,7 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
         share = "?" if r.get("outside_cpu_share") is None else f"{100 * r['outside_cpu_share']:.0f}"
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | {r['repeats']} | "
                      f"{r['measured_s']:.4g} | {r['measured_low_s']:.4g}..{r['measured_high_s']:.4g} "
-                     f"(±{r['spread_pct']:.0f}%) | {r['simulated_s']:.4g} | {r['error_pct']:+.1f} | "
+                     f"(±{r['spread_pct']:.0f}%) | {r['simulated_s']:.4g}{_range(r)} | {r['error_pct']:+.1f} | "
                      f"{'yes' if r['within_spread'] else 'no'} | {share} |")
 
     def stats(rs, what):
@@ -192,20 +213,29 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
     return "\n".join(lines) + "\n"
 
 
-def get_profile(workload: str, measure_missing: bool = True, log=print,
-                profile_dir: Path | None = None) -> tuple[dict | None, str | None]:
+def _range(row: dict) -> str:
+    if row.get("profiles", 1) < 2:
+        return ""
+    return f" ({row['simulated_low_s']:.4g}..{row['simulated_high_s']:.4g})"
+
+
+def get_profiles(workload: str, measure_missing: bool = True, log=print,
+                 profile_dirs=None) -> list[tuple[dict, str]]:
+    """(profile, path) of `workload` in each of `profile_dirs` that has one (default: results/profiles);
+    if none has one, one is measured into the first folder (unless not `measure_missing`)."""
     from bench.profile.profiler import default_path, find_profile, load_profile, profile_workload, write_profile
-    path = find_profile(workload, "cpu", profile_dir)
-    if path is None:
+    dirs = list(profile_dirs) if isinstance(profile_dirs, (list, tuple)) else [profile_dirs]
+    paths = [p for p in (find_profile(workload, "cpu", d) for d in dirs) if p is not None]
+    if not paths:
         if not measure_missing:
-            return None, None
+            return []
         log(f"[validate] no profile of {workload} on this CPU: measuring one (python -m bench profile)")
-        path = write_profile(profile_workload(workload, log=log), default_path("cpu", workload, profile_dir))
-    return load_profile(path), str(path)
+        paths = [write_profile(profile_workload(workload, log=log), default_path("cpu", workload, dirs[0]))]
+    return [(load_profile(p), str(p)) for p in paths]
 
 
 def validate(results: Path, out_md: Path | None = None, measure_missing: bool = True, force: bool = False,
-             log=print, profile_dir: Path | None = None) -> tuple[list[dict], Path]:
+             log=print, profile_dir: Path | list[Path] | None = None) -> tuple[list[dict], Path]:
     """Append validation records for the measured runs in `results`; write the Markdown table."""
     from bench.records import append_record, read_records
     records = read_records(results) if results.exists() else []
@@ -213,22 +243,20 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
             if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation"}
     by_id = {r["run_id"]: r for r in records}
     runs = measured_runs(records)
-    profiles, paths = {}, {}
-    for wl in sorted({r["workload"] for r in runs}):
-        profiles[wl], paths[wl] = get_profile(wl, measure_missing, log, profile_dir)
+    profiles = {wl: get_profiles(wl, measure_missing, log, profile_dir) for wl in sorted({r["workload"] for r in runs})}
     latest: dict[str, dict] = {}
     for r in records:                         # the newest validation of each measured run, kept
         if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation":
             latest[r["tags"].get("measured_run_id")] = r
     for rec in runs:
-        prof = profiles.get(rec["workload"])
-        if prof is None:
+        profs = profiles.get(rec["workload"])
+        if not profs:
             log(f"[validate] {rec['system']} {rec['layout'].get('label')}: no profile of {rec['workload']}, skipped")
             continue
-        if not force and (rec["run_id"], str(prof.get("date"))) in done:
+        if not force and (rec["run_id"], profiles_key(p for p, _ in profs)) in done:
             continue
         try:
-            sim = validation_record(rec, prof, paths[rec["workload"]])
+            sim = validation_record(rec, profs)
         except (ValueError, KeyError) as e:
             log(f"[validate] {rec['system']} {rec['layout'].get('label')} ({rec['run_id']}): cannot simulate: {e}")
             continue
@@ -237,7 +265,7 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     pairs = [(by_id[mid], s) for mid, s in latest.items() if mid in by_id]
     rows = table_rows(pairs)
     out_md = out_md or results.parent / "validation.md"
-    out_md.write_text(markdown(rows, paths))
+    out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps}))
     for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
             f"{row['measured_s']:.4g} s (median of {row['repeats']}, ±{row['spread_pct']:.0f}%), simulated "
@@ -253,8 +281,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="Markdown table (default: validation.md beside --results)")
     p.add_argument("--no-profile", action="store_true", help="do not measure a missing profile; skip its runs")
     p.add_argument("--force", action="store_true", help="re-simulate runs already validated with this profile")
-    p.add_argument("--profiles", type=Path, default=None, help="folder of this machine's profiles "
-                   "(default results/profiles); a missing one is measured into it")
+    p.add_argument("--profiles", type=Path, action="append", default=None, help="folder of this machine's "
+                   "profiles (default results/profiles); repeat it to simulate with each folder's profile of a "
+                   "workload (the median counts); a workload in none of them is measured into the first")
     p.set_defaults(handler=handle)
 
 
