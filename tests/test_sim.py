@@ -408,6 +408,24 @@ def test_simulate_cli_bad_input(tmp_path, capsys, args, message):
     assert not results.exists()
 
 
+def test_corun_contention_slows_busy_processes():
+    from bench.sim.cluster import cluster_from_profile
+    from bench.sim.schedule import Chain, contention, shared_1f1b
+    from tests.test_validate import synthetic_profile
+    assert contention(1, 2, 1.2) == 1.0 and contention(2, 2, 1.2) == pytest.approx(1.2)
+    assert contention(4, 2, 1.2) == pytest.approx(1.2) and contention(3, 5, 1.2) == pytest.approx(1.1)
+    assert contention(2, 1, 1.2) == 1.0 and contention(2, 2, 1.0) == 1.0
+    one = lambda x: Chain(np.array([[x / 3]]), np.array([[2 * x / 3]]))
+    assert shared_1f1b([one(3.0)], cores=2, corun=1.2)[0] == pytest.approx(3.0)          # alone: no contention
+    assert shared_1f1b([one(3.0), one(3.0)], cores=2, corun=1.2)[0] == pytest.approx(3.6)
+    assert shared_1f1b([one(3.0)] * 4, cores=2, corun=1.2)[0] == pytest.approx(7.2)     # 4 on 2: 2x, then 1.2x
+    prof = synthetic_profile()
+    prof["corun"] = {"processes": 2, "slowdown": 1.25}
+    cl = cluster_from_profile(prof, processes=4, cores=2)
+    assert cl.corun_slowdown == 1.25 and cl.host_slowdown == pytest.approx(2 * 1.25)
+    assert cluster_from_profile(prof, processes=1, cores=2).host_slowdown == 1.0
+
+
 def test_shared_cores_schedule():
     from bench.sim.schedule import Chain, shared_1f1b
     rng = np.random.default_rng(0)

@@ -49,9 +49,9 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
     dist.destroy_process_group()
 
 
-def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, timeout: float = 60.0) -> dict:
-    """Spawn `nprocs` local processes of `worker(rank, port, *args, out_file)`; rank 0 writes JSON to
-    `out`, which is returned. A timeout or a failed process is a RuntimeError naming `what`."""
+def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, timeout: float = 60.0) -> dict | None:
+    """Spawn `nprocs` local processes of `worker(rank, port, *args, out_file)`; returns the JSON rank 0
+    wrote to `out` (None if it wrote none). A timeout or a failed process is a RuntimeError naming `what`."""
     import torch.multiprocessing as mp
     from bench.environment import free_port
     ctx = mp.start_processes(worker, args=(free_port(), *args, str(out)), nprocs=nprocs, join=False,
@@ -65,7 +65,7 @@ def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, ti
                 raise RuntimeError(f"{what} timed out after {timeout:g} s")
     except mp.ProcessException as e:
         raise RuntimeError(f"{what} failed: {e}") from None
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()) if out.exists() else None
 
 
 def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> dict:

@@ -24,7 +24,9 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
     between 2 local processes, fitted as latency + bytes / bandwidth;
   * a GEMM table (unless --no-gemm): torch.matmul forward / dgrad / wgrad over a grid of
     (m, n, k) with the runs' threads (bench.profile.gemm), from which the simulator predicts any
-    GEMM shape; optional in the file (older profiles have none).
+    GEMM shape; optional in the file (older profiles have none);
+  * (CPU, unless --no-tp; bench.profile.tp) each module at TP 2 in 2 processes (its measured
+    speedup over TP 1), and the modules on every core at once (the co-run slowdown).
 
 A profile for hardware that is not here is *derived* (`--spec H100-SXM`): the datasheet peak
 times a measured efficiency per module (from `--efficiency-from` a CPU profile, or the
@@ -49,7 +51,7 @@ from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile
 from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
 from bench.profile.gemm import gemm_table
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
-from bench.profile.tp import TP, measure_tp
+from bench.profile.tp import TP, measure_corun, measure_tp
 from workloads.presets import MODULES
 
 __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "add_parser", "default_path",
@@ -143,10 +145,11 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                 f"{comm_result['allreduce']['bandwidth_Bps'] / 1e9:.2f} GB/s")
         except (RuntimeError, OSError) as e:
             log(f"[profile]   communication not measured: {e}")
-    tp_result = None
+    tp_result = corun = None
     if tp and device == "cpu":
-        tp_result = _measure_tp(w, rec, seed=seed, microbatches=microbatches, repeats=repeats, data_root=root,
-                                num_samples=num_samples, log=log)
+        kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
+        tp_result = _measure_tp(w, rec, log=log, **kw)
+        corun = _measure_corun(w, rec, log=log, **kw)
     elapsed = time.perf_counter() - started
     return {
         "schema": SCHEMA, "derived": False, "workload": w.name, "data_profile": w.data_profile.name,
@@ -166,7 +169,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                                                    if device == "cpu" else "torch.cuda.max_memory_allocated")),
         "peak_memory_bytes": int(peak_mem),
         "modules": modules, "optimizer": optim, "data": data_costs(w, metas, load_t, coll_t),
-        "comm": comm_result, "gemm": gemm, "tp": tp_result, "elapsed_s": elapsed,
+        "comm": comm_result, "gemm": gemm, "tp": tp_result, "corun": corun, "elapsed_s": elapsed,
     }
 
 
@@ -187,6 +190,18 @@ def _measure_tp(w, rec, *, log, **kw) -> dict | None:
     return out
 
 
+def _measure_corun(w, rec, *, log, **kw) -> dict | None:
+    """The modules' timing on every core at once (bench.profile.tp.measure_corun), or None if it fails."""
+    try:
+        out = measure_corun(w.name, w.data_profile.name,
+                            sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES), **kw)
+    except (RuntimeError, OSError) as e:
+        log(f"[profile]   side-by-side slowdown not measured: {e}")
+        return None
+    log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x slower than one alone")
+    return out
+
+
 # ------------------------------------------------------------------------------ CLI
 
 def add_parser(sub) -> None:
@@ -203,7 +218,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process gloo measurement")
     p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
-    p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 (2 processes)")
+    p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
     p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "
                    "(default: bench.profile.gemm.CPU_GRID or CUDA_GRID)")
     p.add_argument("--spec", default=None, help="derive a profile for this PEAK_FLOPS key instead of measuring")

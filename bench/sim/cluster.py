@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from bench.metrics import DEFAULT_EFFICIENCY, DEFAULT_EFFICIENCY_SOURCE, PEAK_FLOPS
 from bench.sim.gpu_profile import with_measured_compute
+from bench.sim.schedule import contention
 from workloads.presets import MODULES
 
 # Fraction of the dense bf16 peak a module's GEMMs and attention reach (compute only; the
@@ -96,6 +97,9 @@ class Cluster:
     # Measured TP speedup per module and TP degree (a CPU profile's "tp": TP-1 seconds / TP-t seconds,
     # collectives included; bench/profile/tp.py): replaces FLOPs / t + modelled collectives there.
     tp_speedup: dict = field(default_factory=dict)
+    # Measured slowdown of a process when every core runs one (shared caches and memory bandwidth;
+    # a CPU profile's "corun", bench/profile/tp.py); bench.sim.schedule.contention interpolates it.
+    corun_slowdown: float = 1.0
     compute_slowdown: float = 1.0
     host_slowdown: float = 1.0
     shared_cores: float | None = None
@@ -109,8 +113,8 @@ class Cluster:
         top = 1.0 if self.peak_flops_measured is None else 4.0
         if missing or not all(0 < v <= top for v in self.efficiency.values()):
             raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
-        if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1:
-            raise ValueError("compute_slowdown and host_slowdown must be >= 1, value_bytes >= 1")
+        if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1 or self.corun_slowdown < 1:
+            raise ValueError("compute_slowdown, host_slowdown and corun_slowdown must be >= 1, value_bytes >= 1")
         need = {"roofline": "hbm_bw", "table": "gemm_table", "flat": None}
         if self.compute_model not in need:
             raise ValueError(f"compute_model {self.compute_model!r}; choose one of {sorted(need)}")
@@ -150,15 +154,20 @@ class Cluster:
         if model not in ("shared", "uniform"):
             raise ValueError(f"oversubscription model {model!r}; choose shared or uniform")
         cores = cores or os.cpu_count() or 1
-        f = max(1.0, processes / cores)
+        # every process busy at once: each gets min(1, cores / processes) of a core, and runs
+        # contention(processes) slower from what the others take of the caches and memory
+        f = max(1.0, processes / cores) * contention(processes, cores, self.corun_slowdown)
         if model == "uniform":
             return replace(self, compute_slowdown=f, host_slowdown=f, shared_cores=None, slowdown_source=(
                 f"uniform: {processes} processes on {cores} cores, each gets min(1, {cores}/{processes}) of a core, "
-                f"so compute, data preprocessing and the optimizer step run {f:.3g}x slower than profiled"))
+                f"so compute, data preprocessing and the optimizer step run {f:.3g}x slower than profiled (co-run "
+                f"slowdown {self.corun_slowdown:.3g} with every core busy included)"))
         return replace(self, compute_slowdown=1.0, host_slowdown=f, shared_cores=float(cores), slowdown_source=(
             f"shared: {processes} processes on {cores} cores; at each instant the k busy processes each get "
             f"min(1, {cores}/k) of a core (processor sharing in the 1F1B schedule); data preprocessing and the "
-            f"optimizer step (all processes busy, min(1, {cores}/{processes})) run {f:.3g}x slower than profiled"))
+            f"optimizer step (all processes busy, min(1, {cores}/{processes})) run {f:.3g}x slower than profiled; "
+            f"a busy process also runs up to {self.corun_slowdown:.3g}x slower when every core is busy (measured "
+            f"co-run slowdown, bench.sim.schedule.contention)"))
 
     def assumptions(self) -> dict:
         out = asdict(self)
@@ -286,6 +295,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         # table says how much slower the smaller per-rank GEMMs run (bench.sim.gemm, "table").
         hbm_bw=None, hbm_bw_source="", compute_model="table" if profile.get("gemm") else "flat",
         gemm_table=profile.get("gemm"), compute_source=f"measured: {where}",
+        corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
         tp_speedup={n: {int(t): float(rows[n]["speedup"])} for t, rows in (profile.get("tp") or {}).items()
                     if t.isdigit() for n in MODULES},
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,

@@ -128,13 +128,22 @@ class Chain:
     wb: np.ndarray | None = None
 
 
-def shared_1f1b(chains: list[Chain], cores: float) -> tuple[float, list[float]]:
+def contention(busy: float, cores: float, corun: float) -> float:
+    """How much slower each busy process runs because the others share caches and memory
+    bandwidth: 1 alone, the measured co-run slowdown `corun` (bench.profile.tp) with every core
+    busy, linear in between (an interpolation of ours between the two measured points)."""
+    if corun <= 1.0 or cores <= 1:
+        return 1.0
+    return 1.0 + (corun - 1.0) * min(1.0, max(0.0, (min(busy, cores) - 1.0) / (cores - 1.0)))
+
+
+def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0) -> tuple[float, list[float]]:
     """1F1B of several independent pipelines whose processes share `cores` CPU cores.
 
     Same operation order and dependencies as `one_f_one_b`, but durations are work: an
     operation keeping w processes busy progresses, while the running operations keep D
-    processes busy in all, at min(1, cores / D) of its full speed (processor sharing; a
-    process waiting for a message uses no core). Transfers are delays that use no core.
+    processes busy in all, at min(1, cores / D) / contention(D) of its full speed (processor
+    sharing; a process waiting for a message uses no core). Transfers are delays that use no core.
     Event-driven and exact for that fluid model. Returns (makespan, end time per chain).
     With enough cores (D <= cores always) it equals one_f_one_b on every chain.
     """
@@ -187,7 +196,7 @@ def shared_1f1b(chains: list[Chain], cores: float) -> tuple[float, list[float]]:
         finished = [i for i, r in running.items() if r[0] <= eps]
         if not finished:
             demand = sum(r[1] for r in running.values())
-            rate = min(1.0, cores / demand) if demand > 0 else 1.0
+            rate = min(1.0, cores / demand) / contention(demand, cores, corun) if demand > 0 else 1.0
             dt = min((r[0] / rate for r in running.values()), default=float("inf"))
             if pending:
                 dt = min(dt, min(pending) - t)

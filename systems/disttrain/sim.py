@@ -119,7 +119,8 @@ def simulate_step(layout, step, kit) -> StepCost:
     fwd, bwd, res = schedule.order_microbatches(fwd, bwd, links, order)
     pipe = res.iteration_time
     if cluster.shared_cores:                 # the module pipeline's ranks share the cores
-        pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores)[0]
+        pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores,
+                                    cluster.corun_slowdown)[0]
     mem, sync, opt = [], [], []
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
         p = sh[key].params / lay["tp"]
