@@ -107,6 +107,7 @@ def predicted_times(runs: pd.DataFrame) -> dict:
 
 # Experiments (tags.experiment) that compare systems head to head, in report order.
 COMPARISONS = {"main": "the main comparison", "encoder-heavy": "the encoder-heavy regime",
+               "generator-heavy": "the generator-heavy regime",
                "heterogeneous": "homogeneous vs colocated heterogeneous layouts (arXiv 2605.27678)"}
 
 

@@ -150,6 +150,9 @@ class SystemAdapter(ABC):
     # defines simulate_step(layout, step, kit) and search(workload, n, cluster, kit, **kw); or
     # override the two methods below.
     sim_module: ClassVar[str | None] = None
+    # Options `--layout auto` can keep at a given value while it searches the rest (search_layout's
+    # `fixed`); any other --set option with --layout auto is an input error before anything runs.
+    search_keeps: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def layout(self, options: dict[str, Any], nproc: int, workload: Workload, global_batch_size: int,

@@ -397,6 +397,10 @@ def test_simulate_cli_appends_a_simulated_record(tmp_path):
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--layout", "tp3-pp1-dp1"], "--layout"),
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--cluster", "b200"], "--cluster"),
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--set", "nope=1"], "unknown --set key"),
+    (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--layout", "auto", "--set", "pp=2"],
+     "keeps no option fixed"),
+    (["--system", "disttrain", "--workload", "tiny", "--gpus", "4", "--layout", "auto", "--set", "recompute=true"],
+     "keeps only placement fixed"),
 ])
 def test_simulate_cli_bad_input(tmp_path, capsys, args, message):
     from bench.__main__ import main

@@ -14,7 +14,7 @@ import pytest
 
 from bench.config import RunConfig
 from bench.records import read_records
-from bench.run import runner, slurm
+from bench.run import runner, slurm, slurm_job
 from systems.base import ConfigError, Layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,8 +59,8 @@ def test_multinode_torchrun_rendezvous_at_the_first_node_of_the_slurm_node_list(
                        "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2"}.items():
         monkeypatch.setenv(key, value)
     cfg = _cfg(16)
-    nodes = slurm.job_nodes(_spec(cfg, slurm.Settings(gpus_per_node=8), tmp_path))
-    assert nodes == runner.Nodes(count=2, rank=1, master_addr="gpu07", master_port=slurm.master_port("4242"),
+    nodes = slurm_job.job_nodes(_spec(cfg, slurm.Settings(gpus_per_node=8), tmp_path))
+    assert nodes == runner.Nodes(count=2, rank=1, master_addr="gpu07", master_port=slurm_job.master_port("4242"),
                                  work=tmp_path / "4242_work")
     cmd = runner.torchrun_command(cfg, nodes.work / "config.json", Path("/data"), nodes.work / "result.json",
                                   nodes.master_port, nodes.work, nodes)
@@ -71,10 +71,10 @@ def test_multinode_torchrun_rendezvous_at_the_first_node_of_the_slurm_node_list(
     assert cmd[cmd.index("--progress") + 1] == str(tmp_path / "4242_work" / "progress")     # shared by all nodes
     single = runner.torchrun_command(_cfg(2), Path("c"), Path("d"), Path("o"), 29400)
     assert "--nnodes=1" in single and "--master-addr=127.0.0.1" in single and "--nproc-per-node=2" in single
-    assert slurm.job_nodes(_spec(_cfg(8), slurm.Settings(gpus_per_node=8), tmp_path)) is None   # one node: runner as is
-    assert 20000 <= slurm.master_port("123_4") < 40000
+    assert slurm_job.job_nodes(_spec(_cfg(8), slurm.Settings(gpus_per_node=8), tmp_path)) is None   # one node: runner as is
+    assert 20000 <= slurm_job.master_port("123_4") < 40000
     with pytest.raises(RuntimeError, match="the run needs 3"):
-        slurm.rendezvous(3, ["a", "b"], 0, "1", tmp_path)
+        slurm_job.rendezvous(3, ["a", "b"], 0, "1", tmp_path)
 
 
 def test_sbatch_file_asks_for_the_jobs_nodes_and_gpus(monkeypatch, tmp_path):

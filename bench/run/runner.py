@@ -34,7 +34,7 @@ class Nodes:
     (master_addr:master_port), so node 0 holds global rank 0 and its result; `work` is a folder
     every node sees (a shared file system): the config, the ranks' progress, rank 0's result and
     `launch.json`, which node 0 writes once its side is up (run id, the preprocessing service's
-    endpoints) and the other nodes wait for (bench.run.slurm.follow)."""
+    endpoints) and the other nodes wait for (bench.run.slurm_job.follow)."""
     count: int
     rank: int
     master_addr: str

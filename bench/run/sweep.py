@@ -167,23 +167,30 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
     if cluster is not None:
         return _sweep_on_slurm(order, done, cluster, results, wandb_mode, dry_run)
     failures = []
-    for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
-        what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
-        if done.get(_key(cfg.to_dict()), 0) >= repeat:
-            print(f"{what}: already recorded, skipped", flush=True)
-            continue
+    for what, cfg, layout, repeat in _not_recorded(order, done):
         print(what + (" (dry run)" if dry_run else ""), flush=True)
         if dry_run:
             continue
         try:
             record = runner.run(cfg, layout, results, wandb_mode, quiet=True, repeat=repeat)
         except KeyboardInterrupt:
-            print(f"[sweep] interrupted at run {n}/{len(order)}; rerun the same command to resume", flush=True)
+            print(f"[sweep] interrupted at {what.removeprefix('[sweep] ')}; rerun the same command to resume",
+                  flush=True)
             return 130
         if record["status"] != cfg.tags.get("expect", "ok"):      # the remaining runs still run
             failures.append(f"{cfg.system} {cfg.workload} {layout.label} repeat {repeat}: "
                             f"{record['status']}: {record['reason']}")
     return _summary(len(order), failures)
+
+
+def _not_recorded(order: list[tuple], done: dict[str, int]):
+    """(what, cfg, layout, repeat) of each planned run not yet recorded ok; says which are skipped."""
+    for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
+        what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
+        if done.get(_key(cfg.to_dict()), 0) >= repeat:
+            print(f"{what}: already recorded, skipped", flush=True)
+            continue
+        yield what, cfg, layout, repeat
 
 
 def _summary(runs: int, failures: list[str]) -> int:
@@ -198,14 +205,7 @@ def _sweep_on_slurm(order: list[tuple], done: dict[str, int], cluster, results: 
     """The runs not yet recorded, each a job (bench.run.slurm); the jobs append the records.
     Every job's shape is checked and every dataset prepared here before the first submission."""
     from bench.run import slurm
-    runs = []
-    for n, (cfg, layout, repeat, repeats) in enumerate(order, 1):
-        what = f"[sweep] {n}/{len(order)} {cfg.system} {layout.label} repeat {repeat}/{repeats}"
-        if done.get(_key(cfg.to_dict()), 0) >= repeat:
-            print(f"{what}: already recorded, skipped", flush=True)
-            continue
-        runs.append((what, cfg, layout, repeat))
-    pending = slurm.plan(runs, cluster, results, wandb_mode)
+    pending = slurm.plan(list(_not_recorded(order, done)), cluster, results, wandb_mode)
     if dry_run:
         for run in pending:
             print(f"{run.what} (dry run; a {cluster.executor} job of {run.spec.resources})", flush=True)

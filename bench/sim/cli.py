@@ -162,6 +162,10 @@ def run(args) -> dict:
     if B < 1 or mbs < 1 or B % mbs:
         raise InputError(f"global_batch_size {B} must be a positive multiple of micro_batch_size {mbs}")
     options = parse_layout(adapter, args.layout, set_options)
+    if options == "auto" and set(set_options) - adapter.search_keeps:
+        keeps = f"only {', '.join(sorted(adapter.search_keeps))}" if adapter.search_keeps else "no option"
+        raise InputError(f"--layout auto with --set {', '.join(sorted(set(set_options) - adapter.search_keeps))}: "
+                         f"{args.system}'s layout search keeps {keeps} fixed; give the layout explicitly")
     cluster, profile_path = build_cluster(args.cluster, args.workload, args.gpus)
     if options != "auto":
         try:

@@ -24,6 +24,7 @@ class DistTrainSystem(SystemAdapter):
     # cp_comm: the backbone's context-parallel pattern when its plan entry has CP > 1 (systems.cp).
     options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False, "cp_comm": "a2a"}
     sim_module = "systems.disttrain.sim"
+    search_keeps = frozenset({"placement"})
     records_timeline = True
     reorders_data = True
 
