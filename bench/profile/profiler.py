@@ -149,7 +149,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
     if tp and device == "cpu":
         kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
         tp_result = _measure_tp(w, rec, log=log, **kw)
-        corun = _measure_corun(w, rec, log=log, **kw)
+        corun = _measure_corun(w, log=log, **kw)
     elapsed = time.perf_counter() - started
     return {
         "schema": SCHEMA, "derived": False, "workload": w.name, "data_profile": w.data_profile.name,
@@ -190,11 +190,10 @@ def _measure_tp(w, rec, *, log, **kw) -> dict | None:
     return out
 
 
-def _measure_corun(w, rec, *, log, **kw) -> dict | None:
+def _measure_corun(w, *, log, **kw) -> dict | None:
     """The modules' timing on every core at once (bench.profile.tp.measure_corun), or None if it fails."""
     try:
-        out = measure_corun(w.name, w.data_profile.name,
-                            sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES), **kw)
+        out = measure_corun(w.name, w.data_profile.name, **kw)
     except (RuntimeError, OSError) as e:
         log(f"[profile]   side-by-side slowdown not measured: {e}")
         return None

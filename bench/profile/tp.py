@@ -9,9 +9,12 @@ measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 second
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
-at once. Processes on separate cores still share the caches and memory bandwidth: measured here,
-two copies of small-enc-heavy's modules ran 8-16% slower than one alone, small's not at all. The
-simulator slows compute by this factor when every core is busy (bench.sim.schedule.shared_1f1b).
+at once, against one alone. Processes on separate cores still share caches and memory bandwidth
+(on a VM, possibly a physical core): measured here, two copies ran 0-24% slower than one alone,
+and the same workload gave 1.23x and 1.00x in two consecutive profiles; the second vCPU's
+capacity varies over time. The simulator slows compute by the profile's factor when every core
+is busy (bench.sim.schedule.shared_1f1b): a snapshot, like the profile's speed, which is why
+validation uses profiles taken before and after the sweep.
 """
 from __future__ import annotations
 
@@ -30,17 +33,14 @@ MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs 
 
 def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: str | None, seed: int,
                     microbatches: int, repeats: int, data_root: str, num_samples: int, out_file: str) -> None:
-    """tp > 1: one TP group of all the processes; tp == 1: each process alone (a world of 1).
-    Writes per module the forward + backward seconds of each microbatch to out_file.<rank>."""
+    """One TP group of `tp` processes; writes per module the forward + backward seconds of each
+    microbatch to out_file.<rank>."""
     import torch
     import torch.distributed as dist
     from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules
     from workloads.presets import get_workload
     torch.set_num_threads(1)
-    if tp > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     dev = torch.device("cpu")
     teardown = init_single_process(dev, tp=tp)
     try:
@@ -55,18 +55,18 @@ def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: 
         dist.destroy_process_group()
 
 
-def _run(tp: int, nprocs: int, what: str, timeout: float, args: tuple) -> list[dict]:
+def _run(tp: int, what: str, timeout: float, args: tuple) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "modules.json"
-        run_processes(_modules_worker, (tp, *args), out, what, nprocs=nprocs, timeout=timeout)
-        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(nprocs)]
+        run_processes(_modules_worker, (tp, *args), out, what, nprocs=tp, timeout=timeout)
+        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(tp)]
 
 
 def measure_tp(workload: str, data_profile: str | None, tp1_seconds: dict, *, seed: int, microbatches: int,
                repeats: int, data_root: Path, num_samples: int, timeout: float = 600.0) -> dict:
     """{"2": {module: {"seconds", "tp1_seconds", "speedup"}}, "method"}; `tp1_seconds`: per module,
     the TP-1 forward + backward seconds of the same microbatches (the profile's own timing)."""
-    raw = _run(TP, TP, f"TP-{TP} module timing", timeout,
+    raw = _run(TP, f"TP-{TP} module timing", timeout,
                (workload, data_profile, seed, microbatches, repeats, str(data_root), num_samples))[0]
     rows = {}
     for n in MODULES:
@@ -78,19 +78,60 @@ def measure_tp(workload: str, data_profile: str | None, tp1_seconds: dict, *, se
                        f"microbatch, summed; speedup = TP-1 seconds / TP-{TP} seconds, collectives included")}
 
 
-def measure_corun(workload: str, data_profile: str | None, alone_seconds: float, *, seed: int, microbatches: int,
-                  repeats: int, data_root: Path, num_samples: int, timeout: float = 600.0) -> dict:
+def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile: str | None, seed: int,
+                  microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
+    """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then all
+    `procs` at once, twice over: alone and together a few seconds apart, so the machine's drift
+    stays out of the ratio. Each process is its own world of 1; the store only orders the phases."""
+    import torch
+    import torch.distributed as dist
+    from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules
+    from workloads.presets import get_workload
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, procs, rank == 0)
+
+    def barrier(tag: str) -> None:
+        if store.add(tag, 1) == procs:
+            store.set(tag + "/open", "1")
+        store.wait([tag + "/open"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dev = torch.device("cpu")
+    teardown = init_single_process(dev)
+    times: dict[str, list[float]] = {"alone": [], "together": []}
+    try:
+        w = get_workload(workload, data_profile)
+        mbs = w.micro_batch_size
+        batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
+        for phase in ("alone", "together", "alone", "together"):
+            barrier(f"{phase}{len(times[phase])}")
+            if phase == "alone" and rank != 0:
+                times[phase].append(0.0)
+                continue
+            rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, 1, seed, Timer(dev))
+            times[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
+        Path(f"{out_file}.{rank}").write_text(json.dumps(times))
+    finally:
+        teardown()
+        dist.destroy_process_group()
+
+
+def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
+                  data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "method"}: `processes` (= the cores, at
-    most MAX_CORUN) independent copies of the TP-1 module timing at once against `alone_seconds`
-    (the profile's own, all modules and microbatches); slowdown = median copy / alone, at least 1."""
+    most MAX_CORUN) copies of the TP-1 module timing (one pass) at once against one copy alone,
+    alternated twice (_corun_worker); slowdown = median together / median alone, at least 1."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
     if procs < 2:
-        return {"processes": 1, "seconds": alone_seconds, "alone_seconds": alone_seconds, "slowdown": 1.0,
-                "method": "one core: nothing runs side by side"}
-    raw = _run(1, procs, "side-by-side module timing", timeout,
-               (workload, data_profile, seed, microbatches, repeats, str(data_root), num_samples))
-    together = statistics.median(sum(sum(r[n]) for n in MODULES) for r in raw)
-    return {"processes": procs, "seconds": together, "alone_seconds": alone_seconds,
-            "slowdown": max(1.0, together / alone_seconds) if alone_seconds > 0 else 1.0,
-            "method": (f"{procs} independent copies of the TP-1 module timing at once (one per core, one thread "
-                       f"each), median copy's seconds / the timing alone; below 1 (noise) counts as 1")}
+        return {"processes": 1, "slowdown": 1.0, "method": "one core: nothing runs side by side"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "corun.json"
+        run_processes(_corun_worker, (procs, workload, data_profile, seed, microbatches, str(data_root),
+                                      num_samples), out, "side-by-side module timing", nprocs=procs, timeout=timeout)
+        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(procs)]
+    alone = statistics.median(raw[0]["alone"])
+    together = statistics.median(t for r in raw for t in r["together"])
+    return {"processes": procs, "seconds": together, "alone_seconds": alone,
+            "slowdown": max(1.0, together / alone) if alone > 0 else 1.0,
+            "method": (f"one pass of the TP-1 module timing, alone (process 0) and as {procs} copies at once (one "
+                       f"per core, one thread each), alternated twice seconds apart; median together / median "
+                       f"alone; below 1 (noise) counts as 1")}
