@@ -230,19 +230,20 @@ def test_secrets_in_the_environment_reach_no_file(tmp_path):
 @pytest.mark.multiprocess
 def test_ctrl_c_records_interrupted_leaves_nothing_and_the_sweep_resumes(tmp_path):
     sweep = tmp_path / "s.toml"
-    sweep.write_text('[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 2\n'
-                     'sets = { warmup = 0, steps = 40, "data.num_samples" = 64 }\n')
+    # small (2-3 s a step here, ~8 s of set-up): 8 s after the launch the run is surely not over
+    sweep.write_text('[[run]]\nsystem = "megatron"\nworkload = "small"\nnproc = 2\n'
+                     'sets = { warmup = 0, steps = 4, "data.num_samples" = 32 }\n')
     results = tmp_path / "results" / "runs.jsonl"
     marker = uuid.uuid4().hex
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", MARKER: marker}
     args = [sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)]
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     head = []
-    for line in proc.stdout:                            # the run is launched: Ctrl-C lands inside it
+    for line in proc.stdout:                            # the run is launched ...
         head.append(line)
         if line.startswith("[bench] megatron"):
             break
-    time.sleep(8)
+    time.sleep(8)                                       # ... and is setting up or training: Ctrl-C lands inside it
     proc.send_signal(signal.SIGINT)
     out = "".join(head) + proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, out[-2000:]
