@@ -102,10 +102,9 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
         w = get_workload(workload, data_profile)
         mbs = w.micro_batch_size
         batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
-        for phase in ("alone", "together", "alone", "together"):
-            barrier(f"{phase}{len(times[phase])}")
+        for i, phase in enumerate(("alone", "together", "alone", "together")):
+            barrier(f"phase{i}")
             if phase == "alone" and rank != 0:
-                times[phase].append(0.0)
                 continue
             rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, 1, seed, Timer(dev))
             times[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
