@@ -21,7 +21,7 @@ def tiny_profile(tmp_path_factory):
     """`python -m bench profile` of tiny, in its own process (it installs the CPU shims)."""
     out = tmp_path_factory.mktemp("prof") / "cpu-tiny.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--out", str(out),
-                           "--microbatches", "3", "--repeats", "1", "--no-comm", "--gemm-grid", "32,64,128"],
+                           "--microbatches", "3", "--repeats", "1", "--min-seconds", "0.5", "--no-comm", "--gemm-grid", "32,64,128"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[profile] wrote" in proc.stdout
@@ -50,6 +50,9 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
         assert tp[n]["seconds"] > 0 and tp[n]["speedup"] == pytest.approx(tp[n]["tp1_seconds"] / tp[n]["seconds"])
     corun = p["corun"]                                       # the modules on every core at once
     assert corun["processes"] == min(os.cpu_count(), 8) and corun["seconds"] > 0 and corun["slowdown"] >= 1.0
+    over = corun["oversubscribed"]                           # and two per core
+    assert over["processes"] == 2 * corun["processes"] and over["seconds"] > 0 and over["slowdown"] >= 1.0
+    assert p["min_seconds"] == 0.5 and p["repeats"] == 1
 
 
 @pytest.mark.multiprocess
@@ -107,3 +110,14 @@ def test_gloo_comm_measurement():
     for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
         assert c[kind]["latency_s"] >= 0 and 0 < c[kind]["bandwidth_Bps"] < 1e15 and len(c[kind]["points"]) == 3
     json.dumps(c, allow_nan=False)
+
+
+@pytest.mark.multiprocess
+def test_a_failing_measurement_process_is_a_runtime_error_naming_it(tmp_path):
+    """The profiler catches RuntimeError around each optional measurement; a child that raises
+    must surface as one, not as an error of the spawn bookkeeping."""
+    from bench.profile.comm import run_processes
+    from bench.profile.tp import _corun_worker
+    args = (1, "no-such-workload", None, 0, 1, str(tmp_path), 4)    # 1 per core: 2 processes in all
+    with pytest.raises(RuntimeError, match="side-by-side module timing failed"):
+        run_processes(_corun_worker, args, tmp_path / "out.json", "side-by-side module timing", nprocs=2, timeout=120)

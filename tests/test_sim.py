@@ -430,6 +430,26 @@ def test_corun_contention_slows_busy_processes():
     assert cluster_from_profile(prof, processes=1, cores=2).host_slowdown == 1.0
 
 
+def test_two_processes_per_core_slow_down_by_the_measured_oversubscribed_factor():
+    from bench.sim.cluster import cluster_from_profile
+    from bench.sim.schedule import Chain, contention, shared_1f1b
+    from tests.test_validate import synthetic_profile
+    # up to one process per core as before; beyond, linear to the factor measured with two per core
+    assert contention(2, 2, 1.1, 1.3) == pytest.approx(1.1) and contention(3, 2, 1.1, 1.3) == pytest.approx(1.2)
+    assert contention(4, 2, 1.1, 1.3) == pytest.approx(1.3) and contention(8, 2, 1.1, 1.3) == pytest.approx(1.3)
+    assert contention(4, 2, 1.1, None) == pytest.approx(1.1) and contention(2, 1, 1.0, 1.5) == pytest.approx(1.5)
+    assert contention(4, 2, 1.3, 1.0) == pytest.approx(1.3)          # never below the one-per-core value
+    one = lambda x: Chain(np.array([[x / 3]]), np.array([[2 * x / 3]]))
+    assert shared_1f1b([one(3.0)] * 4, cores=2, corun=1.1, oversubscribed=1.3)[0] == pytest.approx(3.0 * 2 * 1.3)
+    prof = synthetic_profile()
+    prof["corun"] = {"processes": 2, "slowdown": 1.1, "oversubscribed": {"processes": 4, "slowdown": 1.3}}
+    cl = cluster_from_profile(prof, processes=4, cores=2)
+    assert cl.oversubscribed_slowdown == 1.3 and cl.host_slowdown == pytest.approx(2 * 1.3)
+    assert "1.3x with two busy processes per core" in cl.slowdown_source
+    prof["corun"].pop("oversubscribed")                               # an older profile: not measured
+    assert cluster_from_profile(prof, processes=4, cores=2).oversubscribed_slowdown is None
+
+
 def test_shared_cores_schedule():
     from bench.sim.schedule import Chain, shared_1f1b
     rng = np.random.default_rng(0)

@@ -63,7 +63,7 @@ def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, ti
                 for p in ctx.processes:
                     p.kill()
                 raise RuntimeError(f"{what} timed out after {timeout:g} s")
-    except mp.ProcessException as e:
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         raise RuntimeError(f"{what} failed: {e}") from None
     return json.loads(out.read_text()) if out.exists() else None
 

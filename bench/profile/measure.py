@@ -92,9 +92,10 @@ def _tokens(w, name, mb_metas) -> int:
     return sum(w.latent_tokens(r) + w.generator.num_cond_tokens for m in mb_metas for r in m.output_resolutions)
 
 
-def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, tp: int = 1):
+def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0):
     """Per module and microbatch: median forward / backward seconds, activation memory (at TP `tp`:
-    every rank of the TP group calls this in lockstep)."""
+    every rank of the TP group calls this in lockstep). At least `repeats` passes, and more until the
+    passes took `min_seconds`."""
     import torch
     from megatron.core.process_groups_config import ProcessGroupCollection
     pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -147,10 +148,15 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
     for mb in mbs_dev:
         memory.append({})
         run(mb, None, memory[-1])                # untimed: bytes saved for backward
+    # A machine shared with others changes speed from second to second (the same pass of `tiny`
+    # took 13.5-29.7 ms over two minutes, in runs of fast and slow stretches ~10 s long), so a few
+    # passes catch one stretch; the median over `min_seconds` of passes is the machine's typical speed.
     passes = [{n: {"fwd": [], "bwd": []} for n in MODULES} for _ in mbs_dev]
-    for _ in range(repeats):
+    started, done = time.perf_counter(), 0
+    while done < repeats or time.perf_counter() - started < min_seconds:
         for k, mb in enumerate(mbs_dev):
             run(mb, passes[k])
+        done += 1
     for k, mb in enumerate(mbs_dev):
         rec, mem = passes[k], memory[k]
         mb_metas = metas[k * mbs:(k + 1) * mbs]

@@ -4,7 +4,8 @@ Method (CPU or one GPU, ONE process, a gloo world of 1): each module (encoder, b
 generator) is built at TP = 1 exactly as the trainers build it (megatron-core layers wrapped
 in megatron DDP, canonical weights) and its forward and backward are timed, separately, on
 real preprocessed microbatches of the workload's dataset (the same shards the runs read),
-in `repeats` passes over all microbatches in training order (median per microbatch: a training
+in passes over all microbatches in training order, `repeats` of them and more until they took
+`min_seconds` (median per microbatch: a training
 step's typical speed, robust to one interrupted pass; profile on a quiet machine, the load
 average is recorded). Per-layer times are the module's time divided by
 its layers (so they include the module's embeddings / projector / logits). Model FLOPs
@@ -58,6 +59,10 @@ __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "
            "derive_profile", "find_profile", "fit_affine", "fit_linear_nonneg", "handle", "hardware_key",
            "load_profile", "measure_comm", "profile_workload", "write_profile"]
 
+# Passes over the microbatches last at least this long: on a shared machine a few passes catch one
+# fast or slow stretch (bench.profile.measure.time_modules); 30 s spans several.
+DEFAULT_MIN_SECONDS = 30.0
+
 # On CPU only CPU-sized workloads: a paper-scale backbone does not fit in this machine's memory.
 CPU_MAX_PARAMS = 500e6
 
@@ -67,7 +72,8 @@ CPU_MAX_PARAMS = 500e6
 def profile_workload(workload: str, *, data_profile: str | None = None, device: str = "cpu",
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
-                     comm: bool = True, gemm_grid=(), tp: bool = True, log=print) -> dict:
+                     comm: bool = True, gemm_grid=(), tp: bool = True, min_seconds: float = DEFAULT_MIN_SECONDS,
+                     log=print) -> dict:
     """Measure one workload on the hardware present; returns the profile dict (see module doc).
     gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none."""
     import torch
@@ -113,7 +119,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        rec, params, built = time_modules(w, batches, metas, mbs, dev, tdtype, repeats, seed, timer)
+        rec, params, built = time_modules(w, batches, metas, mbs, dev, tdtype, repeats, seed, timer,
+                                          min_seconds=min_seconds)
         if device == "cpu":
             peaks.append(measure_cpu_matmul_flops(dtype=tdtype))
         peak_mem = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
@@ -157,7 +164,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                      "cpu_count": os.cpu_count(), "machine": platform.machine(), "threads_per_process": threads},
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "versions": versions(),
         "dtype": dtype, "micro_batch_size": mbs, "seed": seed, "dataset": str(ds_path.name),
-        "microbatches": len(batches), "repeats": repeats,
+        "microbatches": len(batches), "repeats": repeats, "min_seconds": min_seconds,
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_measurements": peaks,
         "timing_method": ("whole module forward and backward (megatron DDP-wrapped, TP = 1) on real preprocessed "
@@ -197,7 +204,8 @@ def _measure_corun(w, *, log, **kw) -> dict | None:
     except (RuntimeError, OSError) as e:
         log(f"[profile]   side-by-side slowdown not measured: {e}")
         return None
-    log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x slower than one alone")
+    log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x the CPU seconds of one alone; "
+        f"{out['oversubscribed']['processes']} (two per core): {out['oversubscribed']['slowdown']:.3f}x")
     return out
 
 
@@ -215,6 +223,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the runs use 1 per process)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--min-seconds", type=float, default=DEFAULT_MIN_SECONDS,
+                   help="time passes over the microbatches until they took this long (the machine's speed "
+                        f"varies from second to second; default {DEFAULT_MIN_SECONDS:g})")
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process gloo measurement")
     p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
     p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
@@ -232,8 +243,9 @@ def handle(args, results_path) -> int:
     if args.workload not in PRESETS:
         print(f"error: unknown workload {args.workload!r}; choose one of {sorted(PRESETS)}", file=sys.stderr)
         return 2
-    if args.microbatches < 2 or args.repeats < 1 or args.threads < 1:
-        print("error: --microbatches must be >= 2, --repeats and --threads >= 1", file=sys.stderr)
+    if args.microbatches < 2 or args.repeats < 1 or args.threads < 1 or not 0 <= args.min_seconds < 3600:
+        print("error: --microbatches must be >= 2, --repeats and --threads >= 1, --min-seconds in [0, 3600)",
+              file=sys.stderr)
         return 2
     try:
         grid = tuple(int(x) for x in args.gemm_grid.split(",") if x.strip())
@@ -254,7 +266,8 @@ def handle(args, results_path) -> int:
             prof = profile_workload(args.workload, data_profile=args.data_profile, device=args.device,
                                     dtype=args.dtype, threads=args.threads, microbatches=args.microbatches,
                                     repeats=args.repeats, comm=not args.no_comm,
-                                    gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp)
+                                    gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp,
+                                    min_seconds=args.min_seconds)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -9,11 +9,14 @@ measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 second
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
-at once, against one alone. Processes on separate cores still share caches and memory bandwidth
+at once, and twice as many, against one alone, in CPU seconds. Processes on separate cores still share caches and memory bandwidth
 (on a VM, possibly a physical core): measured here, two copies ran 0-24% slower than one alone,
 and the same workload gave 1.23x and 1.00x in two consecutive profiles; the second vCPU's
-capacity varies over time. The simulator slows compute by the profile's factor when every core
-is busy (bench.sim.schedule.shared_1f1b): a snapshot, like the profile's speed, which is why
+capacity varies over time. Two processes per core cost more again: each switch between them
+on a core refills its caches, so the same pass took 1.09-1.24x the CPU seconds with 4 copies on
+the 2 cores (measured here, tiny), where 2 copies took 0.99-1.01x; the measured runs put up to 4
+processes on 2 cores. The simulator slows compute by these factors with that many processes
+busy (bench.sim.schedule.contention): a snapshot, like the profile's speed, which is why
 validation uses profiles taken before and after the sweep.
 """
 from __future__ import annotations
@@ -22,9 +25,11 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from bench.profile.comm import run_processes
+from bench.profile.measure import Timer
 from workloads.presets import MODULES
 
 TP = 2
@@ -78,35 +83,46 @@ def measure_tp(workload: str, data_profile: str | None, tp1_seconds: dict, *, se
                        f"microbatch, summed; speedup = TP-1 seconds / TP-{TP} seconds, collectives included")}
 
 
+class _ThreadTimer(Timer):
+    """CPU seconds of the calling thread (a CPU-only timer: time_modules' forward/backward marks)."""
+    def now(self) -> float:
+        return time.thread_time()
+
+
 def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile: str | None, seed: int,
                   microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
-    """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then all
-    `procs` at once, twice over: alone and together a few seconds apart, so the machine's drift
-    stays out of the ratio. Each process is its own world of 1; the store only orders the phases."""
+    """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then
+    `procs` copies at once (one per core), then all 2 x procs (two per core), twice over, seconds
+    apart, so the machine's drift stays out of the ratios. Each pass records the CPU seconds of
+    its thread: with two processes per core, wall time would also count the turns a process
+    waits for its core, which the simulator's processor sharing already gives. Each process is
+    its own world of 1; the store only orders the phases."""
     import torch
     import torch.distributed as dist
-    from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules
+    from bench.profile.measure import init_single_process, load_microbatches, time_modules
     from workloads.presets import get_workload
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, procs, rank == 0)
+    total = 2 * procs
+    store = dist.TCPStore("127.0.0.1", port, total, rank == 0)
 
     def barrier(tag: str) -> None:
-        if store.add(tag, 1) == procs:
+        if store.add(tag, 1) == total:
             store.set(tag + "/open", "1")
         store.wait([tag + "/open"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cpu")
     teardown = init_single_process(dev)
-    times: dict[str, list[float]] = {"alone": [], "together": []}
+    runs = {"alone": 1, "together": procs, "oversubscribed": total}
+    times: dict[str, list[float]] = {phase: [] for phase in runs}
     try:
         w = get_workload(workload, data_profile)
         mbs = w.micro_batch_size
         batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
-        for i, phase in enumerate(("alone", "together", "alone", "together")):
+        for i, phase in enumerate(list(runs) * 2):
             barrier(f"phase{i}")
-            if phase == "alone" and rank != 0:
+            if rank >= runs[phase]:
                 continue
-            rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, 1, seed, Timer(dev))
+            rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, 1, seed, _ThreadTimer(dev))
             times[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
         Path(f"{out_file}.{rank}").write_text(json.dumps(times))
     finally:
@@ -116,21 +132,25 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
 
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
                   data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
-    """{"processes", "seconds", "alone_seconds", "slowdown", "method"}: `processes` (= the cores, at
-    most MAX_CORUN) copies of the TP-1 module timing (one pass) at once against one copy alone,
+    """{"processes", "seconds", "alone_seconds", "slowdown", "oversubscribed": {"processes", "seconds",
+    "slowdown"}, "method"}: CPU seconds of one pass of the TP-1 module timing with `processes` (= the
+    cores, at most MAX_CORUN) copies at once, and with twice as many, against one copy alone,
     alternated twice (_corun_worker); slowdown = median together / median alone, at least 1."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
-    if procs < 2:
-        return {"processes": 1, "slowdown": 1.0, "method": "one core: nothing runs side by side"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "corun.json"
         run_processes(_corun_worker, (procs, workload, data_profile, seed, microbatches, str(data_root),
-                                      num_samples), out, "side-by-side module timing", nprocs=procs, timeout=timeout)
-        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(procs)]
+                                      num_samples), out, "side-by-side module timing", nprocs=2 * procs, timeout=timeout)
+        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
     alone = statistics.median(raw[0]["alone"])
-    together = statistics.median(t for r in raw for t in r["together"])
-    return {"processes": procs, "seconds": together, "alone_seconds": alone,
-            "slowdown": max(1.0, together / alone) if alone > 0 else 1.0,
-            "method": (f"one pass of the TP-1 module timing, alone (process 0) and as {procs} copies at once (one "
-                       f"per core, one thread each), alternated twice seconds apart; median together / median "
-                       f"alone; below 1 (noise) counts as 1")}
+
+    def slowdown(phase: str) -> tuple[float, float]:
+        seconds = statistics.median(t for r in raw for t in r[phase])
+        return seconds, max(1.0, seconds / alone) if alone > 0 else 1.0
+    together, over = slowdown("together"), slowdown("oversubscribed")
+    return {"processes": procs, "seconds": together[0], "alone_seconds": alone, "slowdown": together[1],
+            "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]},
+            "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass of the TP-1 module timing, alone (process 0), as "
+                       f"{procs} copies at once (one per core) and as {2 * procs} (two per core), one thread each, "
+                       f"alternated twice seconds apart; median together / median alone; below 1 (noise) counts "
+                       f"as 1")}

@@ -100,6 +100,9 @@ class Cluster:
     # Measured slowdown of a process when every core runs one (shared caches and memory bandwidth;
     # a CPU profile's "corun", bench/profile/tp.py); bench.sim.schedule.contention interpolates it.
     corun_slowdown: float = 1.0
+    # The same with two busy processes per core (the profile's "corun" "oversubscribed"); None: not
+    # measured (contention then stays at corun_slowdown beyond one process per core).
+    oversubscribed_slowdown: float | None = None
     compute_slowdown: float = 1.0
     host_slowdown: float = 1.0
     shared_cores: float | None = None
@@ -113,8 +116,10 @@ class Cluster:
         top = 1.0 if self.peak_flops_measured is None else 4.0
         if missing or not all(0 < v <= top for v in self.efficiency.values()):
             raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
-        if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1 or self.corun_slowdown < 1:
-            raise ValueError("compute_slowdown, host_slowdown and corun_slowdown must be >= 1, value_bytes >= 1")
+        if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1 or self.corun_slowdown < 1 \
+                or (self.oversubscribed_slowdown is not None and self.oversubscribed_slowdown < 1):
+            raise ValueError("compute_slowdown, host_slowdown, corun_slowdown and oversubscribed_slowdown must be >= 1, "
+                             "value_bytes >= 1")
         need = {"roofline": "hbm_bw", "table": "gemm_table", "flat": None}
         if self.compute_model not in need:
             raise ValueError(f"compute_model {self.compute_model!r}; choose one of {sorted(need)}")
@@ -156,7 +161,8 @@ class Cluster:
         cores = cores or os.cpu_count() or 1
         # every process busy at once: each gets min(1, cores / processes) of a core, and runs
         # contention(processes) slower from what the others take of the caches and memory
-        f = max(1.0, processes / cores) * contention(processes, cores, self.corun_slowdown)
+        f = max(1.0, processes / cores) * contention(processes, cores, self.corun_slowdown,
+                                                     self.oversubscribed_slowdown)
         if model == "uniform":
             return replace(self, compute_slowdown=f, host_slowdown=f, shared_cores=None, slowdown_source=(
                 f"uniform: {processes} processes on {cores} cores, each gets min(1, {cores}/{processes}) of a core, "
@@ -166,8 +172,10 @@ class Cluster:
             f"shared: {processes} processes on {cores} cores; at each instant the k busy processes each get "
             f"min(1, {cores}/k) of a core (processor sharing in the 1F1B schedule); data preprocessing and the "
             f"optimizer step (all processes busy, min(1, {cores}/{processes})) run {f:.3g}x slower than profiled; "
-            f"a busy process also runs up to {self.corun_slowdown:.3g}x slower when every core is busy (measured "
-            f"co-run slowdown, bench.sim.schedule.contention)"))
+            f"a busy process also runs up to {self.corun_slowdown:.3g}x slower when every core is busy"
+            + (f" and {self.oversubscribed_slowdown:.3g}x with two busy processes per core"
+               if self.oversubscribed_slowdown is not None else "")
+            + " (measured co-run slowdown, bench.sim.schedule.contention)"))
 
     def assumptions(self) -> dict:
         out = asdict(self)
@@ -296,6 +304,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         hbm_bw=None, hbm_bw_source="", compute_model="table" if profile.get("gemm") else "flat",
         gemm_table=profile.get("gemm"), compute_source=f"measured: {where}",
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
+        oversubscribed_slowdown=_oversubscribed(profile),
         tp_speedup={n: {int(t): float(rows[n]["speedup"])} for t, rows in (profile.get("tp") or {}).items()
                     if t.isdigit() for n in MODULES},
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
@@ -303,3 +312,9 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
                            for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),
               "source": where})
     return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c
+
+
+def _oversubscribed(profile: dict) -> float | None:
+    """A CPU profile's measured slowdown with two busy processes per core, or None (older profiles)."""
+    over = (profile.get("corun") or {}).get("oversubscribed")
+    return max(1.0, float(over["slowdown"])) if over else None

@@ -36,5 +36,5 @@ def lockstep(per_rank_time, tp: int, P: int, cluster) -> float:
     if not cluster.shared_cores or t.size == 0:
         return float(t.max()) if t.size else 0.0
     return shared_1f1b([Chain(np.array([[x]]), np.zeros((1, 1))) for x in t], cluster.shared_cores,
-                       cluster.corun_slowdown)[0]
+                       cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
 

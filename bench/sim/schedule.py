@@ -128,16 +128,24 @@ class Chain:
     wb: np.ndarray | None = None
 
 
-def contention(busy: float, cores: float, corun: float) -> float:
-    """How much slower each busy process runs because the others share caches and memory
-    bandwidth: 1 alone, the measured co-run slowdown `corun` (bench.profile.tp) with every core
-    busy, linear in between (an interpolation of ours between the two measured points)."""
-    if corun <= 1.0 or cores <= 1:
-        return 1.0
-    return 1.0 + (corun - 1.0) * min(1.0, max(0.0, (min(busy, cores) - 1.0) / (cores - 1.0)))
+def contention(busy: float, cores: float, corun: float, oversubscribed: float | None = None) -> float:
+    """How much slower each busy process runs from what the others take of its core's caches and
+    of the memory bandwidth: 1 alone, the measured co-run slowdown `corun` (bench.profile.tp) with
+    every core busy, `oversubscribed` (measured with two processes per core; None: not measured,
+    taken as `corun`) with twice as many busy processes as cores and beyond; linear in between
+    (an interpolation of ours between the measured points). Waiting for a core is not in it:
+    the processor sharing of shared_1f1b gives that."""
+    at_cores = 1.0
+    if corun > 1.0 and cores > 1:
+        at_cores = 1.0 + (corun - 1.0) * min(1.0, max(0.0, (min(busy, cores) - 1.0) / (cores - 1.0)))
+    if oversubscribed is None or busy <= cores:
+        return at_cores
+    top = max(oversubscribed, at_cores)
+    return at_cores + (top - at_cores) * min(1.0, (busy - cores) / cores)
 
 
-def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0) -> tuple[float, list[float]]:
+def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
+                oversubscribed: float | None = None) -> tuple[float, list[float]]:
     """1F1B of several independent pipelines whose processes share `cores` CPU cores.
 
     Same operation order and dependencies as `one_f_one_b`, but durations are work: an
@@ -196,7 +204,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0) -> tuple[
         finished = [i for i, r in running.items() if r[0] <= eps]
         if not finished:
             demand = sum(r[1] for r in running.values())
-            rate = min(1.0, cores / demand) / contention(demand, cores, corun) if demand > 0 else 1.0
+            rate = (min(1.0, cores / demand) / contention(demand, cores, corun, oversubscribed)
+                    if demand > 0 else 1.0)
             dt = min((r[0] / rate for r in running.values()), default=float("inf"))
             if pending:
                 dt = min(dt, min(pending) - t)

@@ -63,7 +63,8 @@ def simulate_step(layout, step, kit) -> StepCost:
         chains.append(schedule.Chain(work / 3, 2 * work / 3))
     pipe = max(times)
     if cluster.shared_cores:                 # ranks that finish early free their core for the others
-        pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown)[0]
+        pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown,
+                                    cluster.oversubscribed_slowdown)[0]
     sync = 0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
                                         bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
                                         gather_overlaps=False)

@@ -120,7 +120,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     pipe = res.iteration_time
     if cluster.shared_cores:                 # the module pipeline's ranks share the cores
         pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores,
-                                    cluster.corun_slowdown)[0]
+                                    cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
     mem, sync, opt = [], [], []
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
         p = sh[key].params / lay["tp"]
