@@ -9,13 +9,12 @@ measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 second
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
-at once, and twice as many, against one alone, in CPU seconds. Processes on separate cores still share caches and memory bandwidth
-(on a VM, possibly a physical core): measured here, two copies ran 0-24% slower than one alone,
-and the same workload gave 1.23x and 1.00x in two consecutive profiles; the second vCPU's
-capacity varies over time. Two processes per core cost more again: each switch between them
-on a core refills its caches, so the same pass took 1.09-1.24x the CPU seconds with 4 copies on
-the 2 cores (measured here, tiny), where 2 copies took 0.99-1.01x; the measured runs put up to 4
-processes on 2 cores. The simulator slows compute by these factors with that many processes
+at once, and twice as many, against one alone, in CPU seconds. Processes on separate cores still
+share caches and memory bandwidth (on a VM, possibly a physical core): measured here, two copies
+took 1.00-1.29x the CPU seconds of one alone, varying between consecutive profiles of the same
+workload; the second vCPU's capacity varies over time. Two processes per core cost more again:
+each switch between them on a core refills its caches, so 4 copies on the 2 cores took 1.26-1.40x
+(tiny: ~5 ms modules) and 1.13-1.25x (small); the measured runs put up to 4 processes on 2 cores. The simulator slows compute by these factors with that many processes
 busy (bench.sim.schedule.contention): a snapshot, like the profile's speed, which is why
 validation uses profiles taken before and after the sweep.
 """
@@ -140,7 +139,8 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "corun.json"
         run_processes(_corun_worker, (procs, workload, data_profile, seed, microbatches, str(data_root),
-                                      num_samples), out, "side-by-side module timing", nprocs=2 * procs, timeout=timeout)
+                                      num_samples), out, "side-by-side module timing", nprocs=2 * procs,
+                     timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
     alone = statistics.median(raw[0]["alone"])
 
@@ -150,7 +150,7 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
     together, over = slowdown("together"), slowdown("oversubscribed")
     return {"processes": procs, "seconds": together[0], "alone_seconds": alone, "slowdown": together[1],
             "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]},
-            "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass of the TP-1 module timing, alone (process 0), as "
-                       f"{procs} copies at once (one per core) and as {2 * procs} (two per core), one thread each, "
+            "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass of the TP-1 module "
+                       f"timing, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} (two per core), one thread each, "
                        f"alternated twice seconds apart; median together / median alone; below 1 (noise) counts "
                        f"as 1")}
