@@ -91,6 +91,9 @@ def test_cli_derive_and_bad_input(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--gemm-grid", "64"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--gemm-grid" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--min-seconds", "-1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--min-seconds" in bad.stderr
 
 
 def test_fits():
