@@ -105,7 +105,8 @@ step "disttrain colocated" 75 "${RUN[@]}" --system disttrain --set plan=enc:1x1,
   --set placement=colocated
 
 # ---- 4. the whole modules of `small` (the GEMM table is in step 2's profile)
-step "profile small" 90 "$VPY" -m bench profile --workload small --device cuda --no-gemm \
+# (5 s of passes, not the CPU default of 30: a lent GPU is not shared, and the step has 90 s)
+step "profile small" 90 "$VPY" -m bench profile --workload small --device cuda --no-gemm --min-seconds 5 \
   --out "$OUTDIR/profile-cuda-small.json"
 
 echo "[gpu_check] done in $(( $(date +%s) - START ))s -> $OUTDIR"

@@ -21,7 +21,8 @@ def tiny_profile(tmp_path_factory):
     """`python -m bench profile` of tiny, in its own process (it installs the CPU shims)."""
     out = tmp_path_factory.mktemp("prof") / "cpu-tiny.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--out", str(out),
-                           "--microbatches", "3", "--repeats", "1", "--min-seconds", "0.5", "--no-comm", "--gemm-grid", "32,64,128"],
+                           "--microbatches", "3", "--repeats", "1", "--min-seconds", "0.5", "--no-comm",
+                           "--gemm-grid", "32,64,128"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[profile] wrote" in proc.stdout

@@ -14,9 +14,10 @@ share caches and memory bandwidth (on a VM, possibly a physical core): measured 
 took 1.00-1.29x the CPU seconds of one alone, varying between consecutive profiles of the same
 workload; the second vCPU's capacity varies over time. Two processes per core cost more again:
 each switch between them on a core refills its caches, so 4 copies on the 2 cores took 1.26-1.40x
-(tiny: ~5 ms modules) and 1.13-1.25x (small); the measured runs put up to 4 processes on 2 cores. The simulator slows compute by these factors with that many processes
-busy (bench.sim.schedule.contention): a snapshot, like the profile's speed, which is why
-validation uses profiles taken before and after the sweep.
+(tiny: ~5 ms modules) and 1.13-1.25x (small); the measured runs put up to 4 processes on 2
+cores. The simulator slows compute by these factors with that many processes busy
+(bench.sim.schedule.contention): a snapshot, like the profile's speed, which is why validation
+uses profiles taken before and after the sweep.
 """
 from __future__ import annotations
 
@@ -151,6 +152,6 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
     return {"processes": procs, "seconds": together[0], "alone_seconds": alone, "slowdown": together[1],
             "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]},
             "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass of the TP-1 module "
-                       f"timing, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} (two per core), one thread each, "
-                       f"alternated twice seconds apart; median together / median alone; below 1 (noise) counts "
-                       f"as 1")}
+                       f"timing, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} "
+                       f"(two per core), one thread each, alternated twice seconds apart; median together / "
+                       f"median alone; below 1 (noise) counts as 1")}

@@ -116,10 +116,10 @@ class Cluster:
         top = 1.0 if self.peak_flops_measured is None else 4.0
         if missing or not all(0 < v <= top for v in self.efficiency.values()):
             raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
-        if self.compute_slowdown < 1 or self.host_slowdown < 1 or self.value_bytes < 1 or self.corun_slowdown < 1 \
-                or (self.oversubscribed_slowdown is not None and self.oversubscribed_slowdown < 1):
-            raise ValueError("compute_slowdown, host_slowdown, corun_slowdown and oversubscribed_slowdown must be >= 1, "
-                             "value_bytes >= 1")
+        slowdowns = (self.compute_slowdown, self.host_slowdown, self.corun_slowdown, self.oversubscribed_slowdown or 1)
+        if min(slowdowns) < 1 or self.value_bytes < 1:
+            raise ValueError("compute_slowdown, host_slowdown, corun_slowdown and oversubscribed_slowdown must be "
+                             ">= 1, value_bytes >= 1")
         need = {"roofline": "hbm_bw", "table": "gemm_table", "flat": None}
         if self.compute_model not in need:
             raise ValueError(f"compute_model {self.compute_model!r}; choose one of {sorted(need)}")
