@@ -14,10 +14,6 @@ PLANS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_record("megatron", 1, {}, tmp_path_factory.mktemp("ref") / "r.jsonl")
-
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc,plan,placement", PLANS)

@@ -6,10 +6,6 @@ from tests.helpers import assert_parity, losses, run_record
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_record("megatron", 1, {}, tmp_path_factory.mktemp("ref") / "r.jsonl")
-
 
 @pytest.mark.parametrize("nproc,sets", [
     (2, {"tp": 2}),

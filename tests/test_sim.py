@@ -308,6 +308,30 @@ def test_measured_tp_speedup_replaces_the_tp_model_on_cpu():
     assert sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 4, measured)) < one  # TP 4: not measured
 
 
+def test_tp_ranks_waiting_at_collectives_leave_their_cores_to_others():
+    """A TP rank that waits at a collective uses no core (the profile's "busy" share): on shared
+    cores every TP layout then runs faster than if its ranks were busy throughout; with a core per
+    process nothing changes (the wall time is the measured one either way)."""
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+
+    def cluster(busy, cores):
+        prof = synthetic_profile()
+        prof["tp"] = {"2": {n: {"seconds": 1.0, "tp1_seconds": 1.2, "speedup": 1.2, "busy": busy}
+                            for n in ("encoder", "backbone", "generator")}}
+        return cluster_from_profile(prof, processes=4, cores=cores)
+    assert cluster(0.5, 2).tp_busy == {n: {2: 0.5} for n in ("encoder", "backbone", "generator")}
+    assert C.tp_busy("encoder", 2, cluster(0.5, 2)) == 0.5 and C.tp_busy("encoder", 1, cluster(0.5, 2)) == 1.0
+    kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
+    for system, lay in (("megatron", {"tp": 2, "pp": 1, "dp": 2}),
+                        ("disttrain", {"plan": "enc:1x1,llm:2x1x1,gen:1x1"}),
+                        ("disttrain", {"plan": "enc:2x2,llm:1x1x4,gen:2x2", "placement": "colocated"})):
+        t = {(b, c): simulate("small", system, lay, 4, cluster(b, c), **kw)["iteration_time_s"]
+             for b in (0.5, 1.0) for c in (2, 64)}
+        assert t[0.5, 2] < t[1.0, 2], (system, lay)
+        assert t[0.5, 64] == pytest.approx(t[1.0, 64]), (system, lay)
+
+
 def test_runtime_data_order_and_dataset_steps():
     cl = _cpu_cluster(processes=2)
     kw = dict(global_batch_size=8, micro_batch_size=2, seed=1234, num_samples=64)

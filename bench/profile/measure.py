@@ -93,14 +93,15 @@ def _tokens(w, name, mb_metas) -> int:
 
 
 def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0):
-    """Per module and microbatch: median forward / backward seconds, activation memory (at TP `tp`:
+    """Per module and microbatch: median forward / backward seconds, forward + backward CPU seconds of
+    the process (all its threads: gloo's too), activation memory (at TP `tp`:
     every rank of the TP group calls this in lockstep). At least `repeats` passes, and more until the
     passes took `min_seconds`."""
     import torch
     from megatron.core.process_groups_config import ProcessGroupCollection
     pg = ProcessGroupCollection.use_mpu_process_groups()
     built = {n: _build(n, w, pg, dtype, device, seed, tp) for n in MODULES}
-    out = {n: {"fwd": [], "bwd": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
+    out = {n: {"fwd": [], "bwd": [], "cpu": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
     mbs_dev = [mb.to(device) for mb in mbs_list]
 
     def run(mb, record, memory=None):
@@ -118,7 +119,7 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
                 return t
             hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if memory is not None
                      else contextlib.nullcontext())
-            t0 = timer.now()
+            t0, c0 = timer.now(), time.process_time()
             with hooks:
                 if name == "encoder":
                     y = model(mb)
@@ -133,10 +134,11 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
             t1 = timer.now()
             if loss.requires_grad:
                 loss.backward()
-            t2 = timer.now()
+            t2, c2 = timer.now(), time.process_time()
             if record is not None:
                 record[name]["fwd"].append(t1 - t0)
                 record[name]["bwd"].append(t2 - t1)
+                record[name]["cpu"].append(c2 - c0)
             if memory is not None:
                 memory[name] = sum(saved.values())
 
@@ -151,7 +153,7 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
     # A machine shared with others changes speed from second to second (the same pass of `tiny`
     # took 13.5-29.7 ms over two minutes, in runs of fast and slow stretches ~10 s long), so a few
     # passes catch one stretch; the median over `min_seconds` of passes is the machine's typical speed.
-    passes = [{n: {"fwd": [], "bwd": []} for n in MODULES} for _ in mbs_dev]
+    passes = [{n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES} for _ in mbs_dev]
     started, done = time.perf_counter(), 0
     while done < repeats or time.perf_counter() - started < min_seconds:
         for k, mb in enumerate(mbs_dev):
@@ -163,6 +165,7 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
         for n in MODULES:
             out[n]["fwd"].append(statistics.median(rec[n]["fwd"]))
             out[n]["bwd"].append(statistics.median(rec[n]["bwd"]))
+            out[n]["cpu"].append(statistics.median(rec[n]["cpu"]))
             out[n]["mem"].append(mem[n])
             out[n]["flops"].append(_module_flops(w, n, mb_metas))
             out[n]["tokens"].append(_tokens(w, n, mb_metas))

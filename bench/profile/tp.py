@@ -54,7 +54,8 @@ def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: 
         batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
         rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, repeats, seed, Timer(dev), tp=tp)
         Path(f"{out_file}.{rank}").write_text(json.dumps(
-            {n: [f + b for f, b in zip(rec[n]["fwd"], rec[n]["bwd"])] for n in MODULES}))
+            {n: {"wall": [f + b for f, b in zip(rec[n]["fwd"], rec[n]["bwd"])], "cpu": rec[n]["cpu"]}
+             for n in MODULES}))
     finally:
         teardown()
         dist.destroy_process_group()
@@ -69,18 +70,26 @@ def _run(tp: int, what: str, timeout: float, args: tuple) -> list[dict]:
 
 def measure_tp(workload: str, data_profile: str | None, tp1_seconds: dict, *, seed: int, microbatches: int,
                repeats: int, data_root: Path, num_samples: int, timeout: float = 600.0) -> dict:
-    """{"2": {module: {"seconds", "tp1_seconds", "speedup"}}, "method"}; `tp1_seconds`: per module,
-    the TP-1 forward + backward seconds of the same microbatches (the profile's own timing)."""
+    """{"2": {module: {"seconds", "tp1_seconds", "speedup", "cpu_seconds", "busy"}}, "method"};
+    `tp1_seconds`: per module, the TP-1 forward + backward seconds of the same microbatches (the
+    profile's own timing). "busy": the share of the wall time each rank spends on a core (CPU
+    seconds / wall seconds, mean over the ranks): the rest it waits at the collectives for the other
+    rank, using no core, which the simulator's shared-core schedule must not charge as work."""
     raw = _run(TP, f"TP-{TP} module timing", timeout,
-               (workload, data_profile, seed, microbatches, repeats, str(data_root), num_samples))[0]
+               (workload, data_profile, seed, microbatches, repeats, str(data_root), num_samples))
     rows = {}
     for n in MODULES:
-        t2, t1 = float(sum(raw[n])), float(tp1_seconds[n])
-        rows[n] = {"seconds": t2, "tp1_seconds": t1, "speedup": t1 / t2 if t2 > 0 and t1 > 0 else 1.0}
+        t2, t1 = float(sum(raw[0][n]["wall"])), float(tp1_seconds[n])
+        walls = [sum(r[n]["wall"]) for r in raw]
+        busy = statistics.mean(min(1.0, sum(r[n]["cpu"]) / w) for r, w in zip(raw, walls) if w > 0) \
+            if any(w > 0 for w in walls) else 1.0
+        rows[n] = {"seconds": t2, "tp1_seconds": t1, "speedup": t1 / t2 if t2 > 0 and t1 > 0 else 1.0,
+                   "cpu_seconds": [float(sum(r[n]["cpu"])) for r in raw], "busy": float(busy)}
     return {str(TP): rows, "processes": TP,
             "method": (f"each module's forward + backward at TP {TP} (megatron-core, gloo, {TP} local processes, one "
                        f"thread each) on the profile's microbatches, passes in training order, median per "
-                       f"microbatch, summed; speedup = TP-1 seconds / TP-{TP} seconds, collectives included")}
+                       f"microbatch, summed; speedup = TP-1 seconds / TP-{TP} seconds, collectives included; "
+                       f"busy = process CPU seconds / wall seconds per rank, averaged over the ranks")}
 
 
 class _ThreadTimer(Timer):

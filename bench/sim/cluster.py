@@ -97,6 +97,10 @@ class Cluster:
     # Measured TP speedup per module and TP degree (a CPU profile's "tp": TP-1 seconds / TP-t seconds,
     # collectives included; bench/profile/tp.py): replaces FLOPs / t + modelled collectives there.
     tp_speedup: dict = field(default_factory=dict)
+    # Measured share of a TP-t rank's wall time spent on a core, per module and t (the profile's "tp"
+    # "busy": process CPU seconds / wall seconds): the rest it waits at a collective for the other
+    # rank, using no core. The shared-core schedule charges a TP group tp x busy cores, not tp.
+    tp_busy: dict = field(default_factory=dict)
     # Measured slowdown of a process when every core runs one (shared caches and memory bandwidth;
     # a CPU profile's "corun", bench/profile/tp.py); bench.sim.schedule.contention interpolates it.
     corun_slowdown: float = 1.0
@@ -305,13 +309,18 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         gemm_table=profile.get("gemm"), compute_source=f"measured: {where}",
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
         oversubscribed_slowdown=_oversubscribed(profile),
-        tp_speedup={n: {int(t): float(rows[n]["speedup"])} for t, rows in (profile.get("tp") or {}).items()
-                    if t.isdigit() for n in MODULES},
+        tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
                            for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),
               "source": where})
     return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c
+
+
+def _per_tp(profile: dict, key: str) -> dict:
+    """{module: {tp: value}} of a CPU profile's "tp" rows (modules without `key`: older profiles, left out)."""
+    rows = {int(t): r for t, r in (profile.get("tp") or {}).items() if t.isdigit()}
+    return {n: {t: float(r[n][key]) for t, r in rows.items() if key in r.get(n, {})} for n in MODULES}
 
 
 def _oversubscribed(profile: dict) -> float | None:

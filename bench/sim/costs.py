@@ -240,6 +240,12 @@ def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: i
     return cf + mf, cb + mb
 
 
+def tp_busy(module: str, tp: int, cluster: Cluster, cp: int = 1) -> float:
+    """Share of its wall time a rank of `module` at TP `tp` keeps a core busy: measured on CPU
+    clusters (cluster.tp_busy), else 1 (a GPU rank owns its device whether it waits or not)."""
+    return float(cluster.tp_busy.get(module, {}).get(tp, 1.0)) if tp > 1 and cp == 1 else 1.0
+
+
 def p2p_time(tokens, hidden: int, tp, cluster: Cluster, spans_nodes):
     """One pipeline transfer of `tokens` activations (bf16), scattered over the TP ranks."""
     if cluster.p2p_bw is not None:

@@ -29,12 +29,14 @@ def concurrency(per_rank_time, tp: int) -> float:
     return tp * float(t.sum() / t.max()) if t.size and t.max() > 0 else float(tp)
 
 
-def lockstep(per_rank_time, tp: int, P: int, cluster) -> float:
+def lockstep(per_rank_time, tp: int, P: int, cluster, busy: float = 1.0) -> float:
     """Time until every DP rank of a module (each with its TP ranks, all P ranks taking part)
-    has done its share: the slowest rank, or, with shared cores, processor sharing among them."""
+    has done its share: the slowest rank, or, with shared cores, processor sharing among them,
+    each rank keeping `busy` of a core busy (a TP rank waits at its collectives, bench.sim.costs.tp_busy)."""
     t = np.repeat(np.asarray(per_rank_time, dtype=np.float64), tp)
     if not cluster.shared_cores or t.size == 0:
         return float(t.max()) if t.size else 0.0
-    return shared_1f1b([Chain(np.array([[x]]), np.zeros((1, 1))) for x in t], cluster.shared_cores,
+    one = np.full((1, 1), busy)
+    return shared_1f1b([Chain(np.array([[x]]), np.zeros((1, 1)), None, one, one) for x in t], cluster.shared_cores,
                        cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
 

@@ -227,12 +227,13 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
 
 
 def order_microbatches(fwd, bwd, links, reorder: bool):
-    """(fwd, bwd, schedule) in the given microbatch order, or in the inter-microbatch reordering
-    of workloads.reorder when `reorder` and the exact 1F1B schedule says it is faster."""
+    """(fwd, bwd, schedule, order) in the given microbatch order, or in the inter-microbatch
+    reordering of workloads.reorder when `reorder` and the exact 1F1B schedule says it is faster;
+    `order` indexes the given microbatches (for arrays that must follow them)."""
     from workloads.reorder import inter_microbatch_order
-    base = one_f_one_b(fwd, bwd, links)
+    base, same = one_f_one_b(fwd, bwd, links), np.arange(fwd.shape[0])
     if not reorder or fwd.shape[0] < 2:
-        return fwd, bwd, base
+        return fwd, bwd, base, same
     o = inter_microbatch_order(fwd + bwd, search="fast")
     alt = one_f_one_b(fwd[o], bwd[o], links)
-    return (fwd[o], bwd[o], alt) if alt.iteration_time < base.iteration_time else (fwd, bwd, base)
+    return (fwd[o], bwd[o], alt, np.asarray(o)) if alt.iteration_time < base.iteration_time else (fwd, bwd, base, same)

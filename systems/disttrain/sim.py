@@ -81,7 +81,9 @@ def simulate_step(layout, step, kit) -> StepCost:
           for f, _, n in stages]
     fwd, bwd = np.zeros((m, S)), np.zeros((m, S))
     fwd[:, 1:-1], bwd[:, 1:-1] = [f for f, _ in bb], [b for _, b in bb]
-    wf, wb = np.full((m, S), float(mp * dp)), np.full((m, S), float(mp * dp))
+    # cores each operation keeps busy: a TP rank waiting at a collective uses none (C.tp_busy)
+    cores_bb = mp * dp * C.tp_busy("backbone", tp, cluster, cp)
+    wf, wb = np.full((m, S), cores_bb), np.full((m, S), cores_bb)
     busy = mp * dp * float(fwd.sum() + bwd.sum())
     tok_max = {"encoder": 0.0, "generator": 0.0}
     tok_mean = {"encoder": 0.0, "generator": 0.0}
@@ -92,7 +94,8 @@ def simulate_step(layout, step, kit) -> StepCost:
             rf, rt, calls = _module_ranks(bc, key, lay, gm, j, rows.get(key), step.reorder, cluster, host)
             f, b = C.module_fb(rf, rt, key, sh[key], sh[key].layers, lay["tp"], cluster, rc, calls)
             fwd[j, col], bwd[j, col] = f.max(), b.max()
-            wf[j, col], wb[j, col] = host.concurrency(f, lay["tp"]), host.concurrency(b, lay["tp"])
+            share = C.tp_busy(key, lay["tp"], cluster)
+            wf[j, col], wb[j, col] = share * host.concurrency(f, lay["tp"]), share * host.concurrency(b, lay["tp"])
             busy += lay["tp"] * float(f.sum() + b.sum())
             tok_max[key] = max(tok_max[key], float(rt.max()))
             tok_mean[key] += float(rt.max()) / m
@@ -116,7 +119,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         o = inter_microbatch_order(fwd + bwd, search="fast")
         fwd, bwd, wf, wb = fwd[o], bwd[o], wf[o], wb[o]
         order = False
-    fwd, bwd, res = schedule.order_microbatches(fwd, bwd, links, order)
+    fwd, bwd, res, _ = schedule.order_microbatches(fwd, bwd, links, order)
     pipe = res.iteration_time
     if cluster.shared_cores:                 # the module pipeline's ranks share the cores
         pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores,

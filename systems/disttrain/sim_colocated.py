@@ -71,7 +71,8 @@ def simulate_step(layout, step, kit) -> StepCost:
                 calls = host.module_calls(bc, k, [r[j] for r in rows[k]], cluster)
             f, b = C.module_fb(fl, tk, k, sh[k], sh[k].layers, lay[k]["tp"], cluster, rc, calls,
                                cp=lay[k]["cp"], cp_comm=comm)
-            t[k] = (host.lockstep(f, mp[k], P, cluster), host.lockstep(b, mp[k], P, cluster))
+            share = C.tp_busy(k, lay[k]["tp"], cluster, lay[k]["cp"])
+            t[k] = (host.lockstep(f, mp[k], P, cluster, share), host.lockstep(b, mp[k], P, cluster, share))
             busy += mp[k] * float(f.sum() + b.sum())
         # the encoder's output: each rank its rows' canvas, or its images' tokens when spread
         canvas = gather(spread["encoder"] / w.encoder.token_merge ** 2 * hb if "encoder" in spread

@@ -55,6 +55,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     max_etok = max_gtok = 0.0
     hide_f, hide_b = np.full(pp, np.inf), np.full(pp, np.inf)     # compute DP comm can hide behind
     load, data, chains = host.load_s(bc), 0.0, []
+    share = {k: C.tp_busy(k, tp, cluster, cp if k == "backbone" else 1) for k in ("encoder", "backbone", "generator")}
     for mbl in per_rank:
         e_f, e_b = C.module_fb([enc[m].sum() for m in mbl], [etok[m].sum() for m in mbl], "encoder",
                                sh["encoder"], sh["encoder"].layers, tp, cluster, rc,
@@ -64,16 +65,22 @@ def simulate_step(layout, step, kit) -> StepCost:
                                host.module_calls(bc, "generator", mbl, cluster))
         fwd = np.array([[f for f, _ in bb]] * len(mbl), dtype=np.float64)
         bwd = np.array([[b for _, b in bb]] * len(mbl), dtype=np.float64)
+        # core-seconds of each operation: a TP rank waiting at a collective uses no core (C.tp_busy)
+        cpu_f, cpu_b = fwd * share["backbone"], bwd * share["backbone"]
+        cpu_f[:, 0] += e_f * share["encoder"]; cpu_b[:, 0] += e_b * share["encoder"]
+        cpu_f[:, -1] += g_f * share["generator"]; cpu_b[:, -1] += g_b * share["generator"]
         fwd[:, 0] += e_f; bwd[:, 0] += e_b; fwd[:, -1] += g_f; bwd[:, -1] += g_b
         if vpp == 1:
-            fwd, bwd, res = schedule.order_microbatches(fwd, bwd, links, order)
+            fwd, bwd, res, o = schedule.order_microbatches(fwd, bwd, links, order)
+            cpu_f, cpu_b = cpu_f[o], cpu_b[o]
         else:                                # megatron-core's interleaved order, microbatches as assigned
             res = kit.interleaved.interleaved_1f1b(fwd, bwd, links, vpp)
         dev_f, dev_b = _per_device(fwd, pp), _per_device(bwd, pp)
         pipe, busy = max(pipe, res.iteration_time), busy + mp * float(fwd.sum() + bwd.sum())
         hide_f, hide_b = np.minimum(hide_f, dev_f[0]), np.minimum(hide_b, dev_b[-1])
         # Shared cores price a device's chunks as one plain-1F1B stage (no interleaved order there).
-        chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], np.full_like(dev_f, mp), np.full_like(dev_b, mp)))
+        chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], _cores(mp, cpu_f, dev_f, pp),
+                                     _cores(mp, cpu_b, dev_b, pp)))
         max_etok = max(max_etok, max(etok[m].sum() for m in mbl))
         max_gtok = max(max_gtok, max(gtok[m].sum() for m in mbl))
         first = first or [[float(enc[m].sum()), len(m) * C.backbone_stage(w, 1, 0)[0], float(gen[m].sum())]
@@ -108,6 +115,12 @@ def simulate_step(layout, step, kit) -> StepCost:
 def _per_device(x, pp: int):
     """[m, pp x vpp] per virtual stage -> [m, pp]: each device's chunks summed."""
     return x.reshape(x.shape[0], -1, pp).sum(1)
+
+
+def _cores(mp: int, cpu, dev, pp: int):
+    """[m, pp]: cores a device's operations keep busy: mp ranks x their busy share of the time."""
+    c = _per_device(cpu, pp)
+    return mp * np.divide(c, dev, out=np.ones_like(dev), where=dev > 0)
 
 
 def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> float:

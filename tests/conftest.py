@@ -1,0 +1,11 @@
+"""Fixtures shared by several test modules."""
+import pytest
+
+from tests.helpers import run_record
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The single-process Megatron run on tiny (TP = PP = DP = 1) that every layout, system and
+    option must reproduce; launched once per session (each launch costs ~10 s of start-up)."""
+    return run_record("megatron", 1, {}, tmp_path_factory.mktemp("ref") / "r.jsonl")
