@@ -49,6 +49,7 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     tp = p["tp"]["2"]                                        # each module timed at TP 2 in 2 processes
     for n in MODULES:
         assert tp[n]["seconds"] > 0 and tp[n]["speedup"] == pytest.approx(tp[n]["tp1_seconds"] / tp[n]["seconds"])
+        assert 0 < tp[n]["busy"] <= 1 and len(tp[n]["cpu_seconds"]) == 2     # each rank's share on a core
     corun = p["corun"]                                       # the modules on every core at once
     assert corun["processes"] == min(os.cpu_count(), 8) and corun["seconds"] > 0 and corun["slowdown"] >= 1.0
     over = corun["oversubscribed"]                           # and two per core

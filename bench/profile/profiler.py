@@ -193,7 +193,8 @@ def _measure_tp(w, rec, *, log, **kw) -> dict | None:
         log(f"[profile]   TP {TP} not measured: {e}")
         return None
     log(f"[profile]   TP {TP} speedup (TP-1 s / TP-{TP} s, gloo collectives included): " +
-        ", ".join(f"{n} {out[str(TP)][n]['speedup']:.2f}" for n in MODULES))
+        ", ".join(f"{n} {out[str(TP)][n]['speedup']:.2f}" for n in MODULES)
+        + "; share of the time on a core: " + ", ".join(f"{n} {out[str(TP)][n]['busy']:.2f}" for n in MODULES))
     return out
 
 
