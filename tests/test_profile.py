@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bench.profile.profiler import derive_profile, fit_affine, fit_linear_nonneg, load_profile
-from workloads.presets import MODULES
+from workloads.presets import MODULES, get_workload
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,3 +126,12 @@ def test_a_failing_measurement_process_is_a_runtime_error_naming_it(tmp_path):
     args = (1, "no-such-workload", None, 0, 1, str(tmp_path), 4)    # 1 per core: 2 processes in all
     with pytest.raises(RuntimeError, match="side-by-side module timing failed"):
         run_processes(_corun_worker, args, tmp_path / "out.json", "side-by-side module timing", nprocs=2, timeout=120)
+
+
+@pytest.mark.multiprocess
+def test_bridge_communicator_transfer_is_measured():
+    from bench.profile.bridge import measure_bridge
+    w = get_workload("tiny")
+    b = measure_bridge(w.backbone.seq_length, w.micro_batch_size, w.backbone.hidden_size, iters=10)
+    assert b["bytes"] == w.backbone.seq_length * w.micro_batch_size * w.backbone.hidden_size * 4
+    assert b["wall_s"] > 0 and 0 < b["cpu_s"] and "MultiModulePipelineCommunicator" in b["method"]

@@ -332,6 +332,29 @@ def test_tp_ranks_waiting_at_collectives_leave_their_cores_to_others():
         assert t[0.5, 64] == pytest.approx(t[1.0, 64]), (system, lay)
 
 
+def test_bridge_transfers_are_work_on_both_sides_of_each_module_boundary():
+    """A measured bridge transfer (bench.profile.bridge) costs each side cpu_s of work; the rest of
+    its wall time is transit. Counts per rank: fan-in enc:1x2 -> llm:1x1x1 -> gen:1x1 puts 2
+    receives and 1 send on the backbone's forward, 1 on each encoder and generator rank."""
+    from bench.sim.cluster import cluster_from_profile
+    from systems.disttrain.sim import _bridge_work
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    plain = cluster_from_profile(prof, processes=4, cores=2)
+    prof["comm"] = {**(prof.get("comm") or {}), "bridge": {"wall_s": 0.005, "cpu_s": 0.002}}
+    cl = cluster_from_profile(prof, processes=4, cores=2)
+    assert plain.bridge is None and _bridge_work(plain, {"dp": 2}, {"dp": 1}, 1, 1, 3) is None
+    work, transit = _bridge_work(cl, {"dp": 2}, {"dp": 1}, 1, 1, 3)
+    assert list(work) == pytest.approx([0.002, 0.006, 0.002]) and transit == pytest.approx(0.001)
+    work, _ = _bridge_work(cl, {"dp": 1}, {"dp": 4}, 2, 2, 4)     # fan-out to a 2-stage backbone, gen dp 4
+    assert list(work) == pytest.approx([0.004, 0.002, 0.004, 0.002])
+    kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
+    lay = {"plan": "enc:1x2,llm:1x1x1,gen:1x1"}
+    with_bridge = simulate("tiny", "disttrain", lay, 4, cl, **kw)["iteration_time_s"]
+    without = simulate("tiny", "disttrain", lay, 4, plain, **kw)["iteration_time_s"]
+    assert with_bridge > without + 8 * 2 * 0.006 * 0.99      # at least the backbone's 8 x (fwd + bwd) transfers
+
+
 def test_runtime_data_order_and_dataset_steps():
     cl = _cpu_cluster(processes=2)
     kw = dict(global_batch_size=8, micro_batch_size=2, seed=1234, num_samples=64)

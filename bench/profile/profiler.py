@@ -45,6 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import environment
+from bench.profile.bridge import measure_bridge
 from bench.profile.comm import COMM_SIZES, measure_comm
 from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
@@ -152,6 +153,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                 f"{comm_result['allreduce']['bandwidth_Bps'] / 1e9:.2f} GB/s")
         except (RuntimeError, OSError) as e:
             log(f"[profile]   communication not measured: {e}")
+        comm_result = _measure_bridge(w, comm_result, log=log)
     tp_result = corun = None
     if tp and device == "cpu":
         kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
@@ -196,6 +198,19 @@ def _measure_tp(w, rec, *, log, **kw) -> dict | None:
         ", ".join(f"{n} {out[str(TP)][n]['speedup']:.2f}" for n in MODULES)
         + "; share of the time on a core: " + ", ".join(f"{n} {out[str(TP)][n]['busy']:.2f}" for n in MODULES))
     return out
+
+
+def _measure_bridge(w, comm_result: dict | None, *, log) -> dict | None:
+    """Adds "bridge" (bench.profile.bridge: one microbatch's activation between two modules through
+    megatron-core's bridge communicator) to the gloo measurements."""
+    try:
+        bridge = measure_bridge(w.backbone.seq_length, w.micro_batch_size, w.backbone.hidden_size)
+    except (RuntimeError, OSError) as e:
+        log(f"[profile]   bridge communicator not measured: {e}")
+        return comm_result
+    log(f"[profile]   bridge transfer of {bridge['bytes'] / 2**10:.0f} KiB: {bridge['wall_s'] * 1e3:.2f} ms, "
+        f"{bridge['cpu_s'] * 1e3:.2f} ms CPU on each side")
+    return {**(comm_result or {}), "bridge": bridge}
 
 
 def _measure_corun(w, *, log, **kw) -> dict | None:

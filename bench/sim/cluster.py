@@ -101,6 +101,10 @@ class Cluster:
     # "busy": process CPU seconds / wall seconds): the rest it waits at a collective for the other
     # rank, using no core. The shared-core schedule charges a TP group tp x busy cores, not tp.
     tp_busy: dict = field(default_factory=dict)
+    # Measured cost of one activation through megatron-core's bridge communicator between two
+    # modules (a CPU profile's "comm" "bridge": {"wall_s", "cpu_s"}, bench/profile/bridge.py), or
+    # None; DistTrain's disaggregated simulation charges it at the module boundaries.
+    bridge: dict | None = None
     # Measured slowdown of a process when every core runs one (shared caches and memory bandwidth;
     # a CPU profile's "corun", bench/profile/tp.py); bench.sim.schedule.contention interpolates it.
     corun_slowdown: float = 1.0
@@ -310,6 +314,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
         oversubscribed_slowdown=_oversubscribed(profile),
         tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
+        bridge=comm.get("bridge"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
                            for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),

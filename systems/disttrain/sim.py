@@ -55,6 +55,23 @@ def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) ->
                      forward_s=float(forward_s), backward_s=float(backward_s))
 
 
+def _bridge_work(cluster, E, G, dp: int, pp: int, S: int):
+    """(per column: seconds one forward / backward spends in module-boundary transfers, the
+    transfer's transit delay), or None: on a cluster with the bridge communicator measured
+    (bench.profile.bridge), each transfer costs both sides `cpu_s` in their own thread (work on a
+    core, not a delay) and the rest of its wall time is transit. A rank sends (forward) or receives
+    (backward) one transfer per replica on the other side that its rows go to or come from."""
+    b = cluster.bridge
+    if not b:
+        return None
+    n = np.zeros(S)
+    n[0] += max(1, dp // E["dp"])            # an encoder replica feeds dp / E_dp backbone replicas
+    n[1] += max(1, E["dp"] // dp)            # the first backbone stage hears from E_dp / dp of them
+    n[pp] += max(1, G["dp"] // dp)           # the last backbone stage (column pp) feeds the generator
+    n[S - 1] += max(1, dp // G["dp"])
+    return n * float(b["cpu_s"]), max(0.0, float(b["wall_s"]) - 2 * float(b["cpu_s"]))
+
+
 def simulate_step(layout, step, kit) -> StepCost:
     if layout.details["placement"] == "colocated":
         return sim_colocated.simulate_step(layout, step, kit)
@@ -114,6 +131,11 @@ def simulate_step(layout, step, kit) -> StepCost:
     links = ([enc_link]
              + [float(C.p2p_time(mbs * seq, hb, mp, cluster, mp * dp >= gpn))] * (pp - 1)
              + [float(C.p2p_time(size * w.generator.num_cond_tokens / G["dp"], hb, 1, cluster, True))])
+    bridge = _bridge_work(cluster, E, G, dp, pp, S)
+    if bridge is not None:                   # measured CPU cluster: the bridge communicator's own cost
+        work, transit = bridge
+        fwd, bwd = fwd + work, bwd + work
+        links[0], links[-1] = transit, transit
     order = step.reorder and rd is None
     if order and fwd.shape[0] > 1 and cluster.shared_cores:
         o = inter_microbatch_order(fwd + bwd, search="fast")
