@@ -239,7 +239,10 @@ def test_ctrl_c_records_interrupted_leaves_nothing_and_the_sweep_resumes(tmp_pat
     marker = uuid.uuid4().hex
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", MARKER: marker}
     args = [sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)]
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C's default meaning in the sweep even when this suite runs in the background (a shell
+    # starts background commands with SIGINT ignored, and Python then never raises KeyboardInterrupt).
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     head = []
     for line in proc.stdout:                            # the run is launched ...
         head.append(line)
