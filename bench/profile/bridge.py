@@ -5,8 +5,9 @@ megatron-core's MultiModulePipelineCommunicator (a BridgeCommunicator per pair o
 transfer first exchanges the tensor's shape, then the tensor, through gloo. On CPU that costs
 each side CPU time in its own thread, which the simulator's links (delays that use no core) do
 not see. Measured on the machine this project runs on (tiny's microbatch, 48 KiB): one transfer
-took 5.4-7.5 ms of wall time and 2.1-2.8 ms of CPU on each side, against 1.2-2.6 ms and
-0.6-1.0 ms for a plain gloo send/recv of the same tensor.
+took 1.0-1.8 ms of wall time and 0.6-1.0 ms of CPU on each side, against 0.2-0.3 ms and
+0.13-0.16 ms for a plain gloo send/recv of the same tensor (minutes earlier, in a slow stretch
+of the machine, 5x all of these: the ratio held, the level did not).
 
 Two processes, two 1-rank modules ("encoder" -> "backbone"), the workload's backbone activation
 of one microbatch ([seq, rows, hidden]) sent forward and its gradient sent back, as the runtime

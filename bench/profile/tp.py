@@ -80,9 +80,8 @@ def measure_tp(workload: str, data_profile: str | None, tp1_seconds: dict, *, se
     rows = {}
     for n in MODULES:
         t2, t1 = float(sum(raw[0][n]["wall"])), float(tp1_seconds[n])
-        walls = [sum(r[n]["wall"]) for r in raw]
-        busy = statistics.mean(min(1.0, sum(r[n]["cpu"]) / w) for r, w in zip(raw, walls) if w > 0) \
-            if any(w > 0 for w in walls) else 1.0
+        shares = [min(1.0, sum(r[n]["cpu"]) / sum(r[n]["wall"])) for r in raw if sum(r[n]["wall"]) > 0]
+        busy = statistics.mean(shares) if shares else 1.0
         rows[n] = {"seconds": t2, "tp1_seconds": t1, "speedup": t1 / t2 if t2 > 0 and t1 > 0 else 1.0,
                    "cpu_seconds": [float(sum(r[n]["cpu"])) for r in raw], "busy": float(busy)}
     return {str(TP): rows, "processes": TP,

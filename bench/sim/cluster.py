@@ -284,7 +284,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
     comm = profile.get("comm") or {}
     p2p, ar = comm.get("p2p") or {}, comm.get("allreduce") or {}
     d = CPU_DEFAULTS
-    comm_src = (f"gloo measured between 2 local processes ({where})" if comm
+    comm_src = (f"gloo measured between 2 local processes ({where})" if comm.get("p2p")
                 else d["source"])
     procs = processes or 1
     c = Cluster(
