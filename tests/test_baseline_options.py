@@ -74,6 +74,39 @@ def test_megatron_dp_sync_with_overlap_by_hand():
         float(C.dp_sync_time(params, dp, True, H100)))
 
 
+def test_dp_collectives_are_read_at_the_runs_process_arrangement():
+    """A CPU profile's DP collectives measured with 4 processes in groups of 2 and of 4 ("4/2",
+    "4/4") are read as measured; 2 of 4 processes syncing (DistTrain's backbone at DP 2 beside
+    1-rank modules) reads the 2-process fit; an unmeasured arrangement is the 2-rank fit
+    extrapolated by the ring model and slowed like host work."""
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["comm"]["reduce_scatter"] = {"latency_s": 1e-3, "bandwidth_Bps": 0.5e9}      # 2 ns per byte
+    prof["comm"]["all_gather"] = {"latency_s": 2e-3, "bandwidth_Bps": 1e9}            # 0.5 ns per byte
+    fit = lambda lat, s: {"latency_s": lat, "s_per_byte": s, "points": []}
+    prof["comm"]["dp_groups"] = {"4/2": {"reduce_scatter": fit(0.01, 3e-9), "all_gather": fit(0.02, 1e-9),
+                                         "allreduce": fit(0.03, 2e-9)},
+                                 "4/4": {"reduce_scatter": fit(0.04, 4e-9), "all_gather": fit(0.05, 5e-9),
+                                         "allreduce": fit(0.06, 6e-9)}, "method": "synthetic"}
+    cl = cluster_from_profile(prof, processes=4, cores=2)
+    params, nbytes = 1e6, 4e6                                              # fp32 gradients on the wire
+    assert C.dp_sync_parts(params, 2, False, cl) == pytest.approx((0.01 + 3e-9 * nbytes, 0.02 + 1e-9 * nbytes))
+    assert C.dp_sync_parts(params, 4, False, cl, gradient="allreduce") == pytest.approx(
+        (0.06 + 6e-9 * nbytes, 0.05 + 5e-9 * nbytes))
+    assert C.dp_sync_parts(params, 2, False, cl, ranks=2) == pytest.approx((1e-3 + 1e-9 * nbytes,
+                                                                           2e-3 + 0.5e-9 * nbytes))
+    ring = [cl.host_slowdown * (lat * 3 + nbytes * s * 2 * 3 / 4) for lat, s in ((1e-3, 1e-9), (2e-3, 0.5e-9))]
+    assert C.dp_sync_parts(params, 4, False, cl, ranks=6) == pytest.approx(ring)
+    assert C.dp_sync_time(params, 1, False, cl) == 0.0
+    with pytest.raises(ValueError, match="gradient reduction"):
+        C.dp_sync_parts(params, 2, False, cl, gradient="reduce")
+    # a GPU cluster: DeepSpeed's all-reduce moves twice a reduce-scatter's bytes
+    bw, lat = H100.link(True)
+    assert C.dp_sync_parts(1e9, 8, True, H100, gradient="allreduce")[0] == pytest.approx(
+        C.ring_allreduce(2e9, 8, bw, lat))
+
+
 # ---------------------------------------------------------------- sequence parallelism
 
 def test_sequence_parallel_memory_by_hand():

@@ -115,6 +115,14 @@ def test_gloo_comm_measurement():
     for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
         assert c[kind]["latency_s"] >= 0 and 0 < c[kind]["bandwidth_Bps"] < 1e15 and len(c[kind]["points"]) == 3
     json.dumps(c, allow_nan=False)
+    from bench.profile.dp_groups import measure_dp_groups   # 4 processes in DP groups of 2 and of 4
+    g = measure_dp_groups(4, sizes=(1024, 1 << 20, 2 << 20), iters=2)
+    assert sorted(g) == ["4/2", "4/4", "method"]
+    for key in ("4/2", "4/4"):
+        for kind in ("reduce_scatter", "all_gather", "allreduce"):
+            f = g[key][kind]
+            assert f["latency_s"] > 0 and f["s_per_byte"] >= 0 and [n for n, _ in f["points"]] == [1024, 1 << 20, 2 << 20]
+    json.dumps(g, allow_nan=False)
 
 
 @pytest.mark.multiprocess

@@ -22,7 +22,9 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
   * data: decoding + preprocessing a sample (DatasetReader.load_sample), fitted as
     a + b x input-image pixels + c x output-image pixels, and collating a microbatch;
   * communication (CPU, unless --no-comm): gloo point-to-point ping-pong and all-reduce
-    between 2 local processes, fitted as latency + bytes / bandwidth;
+    between 2 local processes, fitted as latency + bytes / bandwidth; one activation through
+    megatron-core's bridge communicator (bench.profile.bridge); the DP collectives with
+    --dp-processes processes in DP groups of each size at once (bench.profile.dp_groups);
   * a GEMM table (unless --no-gemm): torch.matmul forward / dgrad / wgrad over a grid of
     (m, n, k) with the runs' threads (bench.profile.gemm), from which the simulator predicts any
     GEMM shape; optional in the file (older profiles have none);
@@ -47,6 +49,7 @@ from pathlib import Path
 from bench import environment
 from bench.profile.bridge import measure_bridge
 from bench.profile.comm import COMM_SIZES, measure_comm
+from bench.profile.dp_groups import measure_dp_groups
 from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
                                  load_profile, versions, write_profile)
@@ -74,7 +77,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
                      comm: bool = True, gemm_grid=(), tp: bool = True, min_seconds: float = DEFAULT_MIN_SECONDS,
-                     log=print) -> dict:
+                     dp_processes: int = 4, log=print) -> dict:
     """Measure one workload on the hardware present; returns the profile dict (see module doc).
     gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none."""
     import torch
@@ -154,6 +157,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         except (RuntimeError, OSError) as e:
             log(f"[profile]   communication not measured: {e}")
         comm_result = _measure_bridge(w, comm_result, log=log)
+        if dp_processes > 2 and comm_result and "reduce_scatter" in comm_result:
+            comm_result = _measure_dp_groups(dp_processes, comm_result, log=log)
     tp_result = corun = None
     if tp and device == "cpu":
         kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
@@ -213,6 +218,22 @@ def _measure_bridge(w, comm_result: dict | None, *, log) -> dict | None:
     return {**(comm_result or {}), "bridge": bridge}
 
 
+def _measure_dp_groups(processes: int, comm_result: dict, *, log) -> dict:
+    """Adds "dp_groups" (bench.profile.dp_groups: reduce-scatter, all-gather and all-reduce with
+    `processes` processes in DP groups of each size at once) to the gloo measurements."""
+    try:
+        groups = measure_dp_groups(processes)
+    except (RuntimeError, OSError) as e:
+        log(f"[profile]   DP collectives at {processes} processes not measured: {e}")
+        return comm_result
+    mib = 64 << 20
+    for key in sorted(k for k in groups if k != "method"):
+        at = {kind: f["latency_s"] + mib * f["s_per_byte"] for kind, f in groups[key].items()}
+        log(f"[profile]   DP groups {key} (processes/group), 64 MiB: reduce-scatter {at['reduce_scatter']:.3f} s, "
+            f"all-gather {at['all_gather']:.3f} s, all-reduce {at['allreduce']:.3f} s")
+    return {**comm_result, "dp_groups": groups}
+
+
 def _measure_corun(w, *, log, **kw) -> dict | None:
     """The modules' timing on every core at once (bench.profile.tp.measure_corun), or None if it fails."""
     try:
@@ -243,6 +264,9 @@ def add_parser(sub) -> None:
                    help="time passes over the microbatches until they took this long (the machine's speed "
                         f"varies from second to second; default {DEFAULT_MIN_SECONDS:g})")
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process gloo measurement")
+    p.add_argument("--dp-processes", type=int, default=4,
+                   help="time the DP collectives with this many processes in DP groups of each size (the runs' "
+                        "largest process count; at most 2 skips it; default 4)")
     p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
     p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
     p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "
@@ -283,7 +307,7 @@ def handle(args, results_path) -> int:
                                     dtype=args.dtype, threads=args.threads, microbatches=args.microbatches,
                                     repeats=args.repeats, comm=not args.no_comm,
                                     gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp,
-                                    min_seconds=args.min_seconds)
+                                    min_seconds=args.min_seconds, dp_processes=args.dp_processes)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -316,10 +316,24 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
         bridge=comm.get("bridge"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
-              "dp_sync": ({k: {"latency_s": comm[k]["latency_s"], "bandwidth_Bps": comm[k]["bandwidth_Bps"]}
-                           for k in ("reduce_scatter", "all_gather")} if "reduce_scatter" in comm else None),
-              "source": where})
+              "dp_sync": _dp_collectives(comm), "processes": procs, "source": where})
     return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c
+
+
+def _dp_collectives(comm: dict) -> dict | None:
+    """{"processes/group": {kind: {"latency_s", "s_per_byte"}}} of a CPU profile: "2/2" from the
+    2-process gloo fits (bench/profile/comm.py: reduce-scatter / all-gather lat + bytes / (2 bw),
+    all-reduce bytes / bw + 2 lat), the rest as measured at the runs' arrangements ("dp_groups",
+    bench/profile/dp_groups.py); None without the 2-process reduce-scatter (older profiles)."""
+    if "reduce_scatter" not in comm:
+        return None
+    pair = {k: {"latency_s": comm[k]["latency_s"], "s_per_byte": 0.5 / comm[k]["bandwidth_Bps"]}
+            for k in ("reduce_scatter", "all_gather")}
+    pair["allreduce"] = {"latency_s": 2 * comm["allreduce"]["latency_s"],
+                         "s_per_byte": 1.0 / comm["allreduce"]["bandwidth_Bps"]}
+    groups = {key: {k: {"latency_s": f["latency_s"], "s_per_byte": f["s_per_byte"]} for k, f in kinds.items()}
+              for key, kinds in (comm.get("dp_groups") or {}).items() if key != "method"}
+    return {"2/2": pair, **groups}
 
 
 def _per_tp(profile: dict, key: str) -> dict:

@@ -255,25 +255,41 @@ def p2p_time(tokens, hidden: int, tp, cluster: Cluster, spans_nodes):
     return np.asarray(tokens, dtype=np.float64) * hidden * cluster.value_bytes / tp / bw + lat
 
 
-def dp_sync_time(params_per_gpu, dp, spans_nodes, cluster: Cluster):
-    """End-of-iteration gradient reduce-scatter + parameter all-gather (bf16), not overlapped."""
-    rs, ag = dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster)
+def dp_sync_time(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: int | None = None,
+                 gradient: str = "reduce_scatter"):
+    """End-of-iteration gradient reduction + parameter all-gather, not overlapped (dp_sync_parts)."""
+    rs, ag = dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster, ranks=ranks, gradient=gradient)
     return rs + ag
 
 
-def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster):
-    """(gradient reduce-scatter, parameter all-gather) seconds, each a ring over dp (together one
-    all-reduce's volume); with a measured reduce-scatter / all-gather (cluster.host["dp_sync"],
-    CPU profiles) each at its own speed. bench.sim.overlap says how much of each hides."""
+def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: int | None = None,
+                  gradient: str = "reduce_scatter"):
+    """(gradient reduction, parameter all-gather) seconds over a DP group of `dp`. `gradient`:
+    "reduce_scatter" (Megatron's distributed optimizer) or "allreduce" (DeepSpeed ZeRO-1/2, whose
+    average_tensor all-reduces its bucket: use_multi_rank_bucket_allreduce defaults to True in
+    deepspeed 0.19.8 runtime/zero/stage_1_and_2.py), each a ring over dp.
+
+    On a CPU profile (cluster.host["dp_sync"]) each is read from the collective measured with
+    `ranks` processes (default: all of the run's) in groups of `dp` all at once
+    (bench/profile/dp_groups.py); an arrangement never measured is extrapolated from the 2-rank
+    group by the ring model and slowed like host work. bench.sim.overlap says how much hides."""
+    if gradient not in ("reduce_scatter", "allreduce"):
+        raise ValueError(f"gradient reduction {gradient!r}; choose reduce_scatter or allreduce")
     nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
     measured = (cluster.host or {}).get("dp_sync")
     if measured:
-        rs, ag = measured["reduce_scatter"], measured["all_gather"]
-        # gloo reduces and copies on the CPU: processes sharing cores slow it down like host work
-        return (cluster.host_slowdown * ring_shard(nbytes, dp, rs["bandwidth_Bps"], rs["latency_s"]),
-                cluster.host_slowdown * ring_shard(nbytes, dp, ag["bandwidth_Bps"], ag["latency_s"]))
+        ranks = ranks or cluster.host.get("processes") or dp
+        at = measured.get(f"{ranks}/{dp}")
+        if at:
+            return tuple(at[k]["latency_s"] + nbytes * at[k]["s_per_byte"] for k in (gradient, "all_gather"))
+        pair = measured["2/2"]
+        # a 2-rank ring moves 1/2 of the buffer per rank in 1 step; dp ranks (dp-1)/dp in dp-1 steps
+        return tuple(cluster.host_slowdown * (pair[k]["latency_s"] * (dp - 1)
+                                              + nbytes * pair[k]["s_per_byte"] * 2 * (dp - 1) / dp)
+                     for k in (gradient, "all_gather"))
     bw, lat = link(cluster, spans_nodes)
-    return ring_shard(nbytes, dp, bw, lat), ring_shard(nbytes, dp, bw, lat)
+    grad = ring_allreduce(nbytes, dp, bw, lat) if gradient == "allreduce" else ring_shard(nbytes, dp, bw, lat)
+    return grad, ring_shard(nbytes, dp, bw, lat)
 
 
 def zero3_microbatch_comm(params, dp, spans_nodes, cluster: Cluster):

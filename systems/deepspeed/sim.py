@@ -4,8 +4,10 @@ Every rank holds the whole model (states sharded by ZeRO stage) and runs its sam
 gradient-accumulation microbatches; ZeRO-3 gathers parameters and reduce-scatters gradients
 every microbatch, the other stages sync once after the last microbatch (what the measured
 adapter does: one coalesced reduction per step; stock ZeRO-1 does the same, stock ZeRO-2
-reduces every microbatch). overlap_comm (DeepSpeed's default: ZeRO-3 only) hides, by
-bench.sim.overlap's bucket model, ZeRO-1/2's gradient reduce-scatter behind the last
+reduces every microbatch); that sync is an all-reduce of the gradient bucket (ZeRO-1/2's
+average_tensor with use_multi_rank_bucket_allreduce, on by default) and, after the step, an
+all-gather of the updated parameters. overlap_comm (DeepSpeed's default: ZeRO-3 only) hides, by
+bench.sim.overlap's bucket model, ZeRO-1/2's gradient all-reduce behind the last
 microbatch's backward in reduce_bucket_size buckets (the parameter all-gather runs inside
 the optimizer step, exposed), and ZeRO-3's per-microbatch gathers behind that microbatch's
 forward and backward (prefetch buckets of stage3_prefetch_bucket_size, the backward's
@@ -67,7 +69,7 @@ def simulate_step(layout, step, kit) -> StepCost:
                                     cluster.oversubscribed_slowdown)[0]
     sync = 0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
                                         bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
-                                        gather_overlaps=False)
+                                        gather_overlaps=False, gradient="allreduce")
     act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
            + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
            + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)

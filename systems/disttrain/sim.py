@@ -46,13 +46,14 @@ def search(w, num_devices, cluster, kit, **kw):
     return orchestrator.search(w, num_devices, cluster, kit, **kw)
 
 
-def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> float:
-    """One group's DP sync; with overlap its reduce-scatter hides behind the group's last
-    microbatch's backward and its all-gather behind its first forward (bench.sim.overlap, the
-    bucket size of megatron DDP, which every module is wrapped in)."""
+def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s, ranks) -> float:
+    """One group's DP sync, `ranks` ranks syncing at once (the modules with DP > 1); with overlap
+    its reduce-scatter hides behind the group's last microbatch's backward and its all-gather
+    behind its first forward (bench.sim.overlap, the bucket size of megatron DDP, which every
+    module is wrapped in)."""
     O = kit.overlap
     return O.dp_sync(params, dp, spans, cluster, overlap=overlap, bucket_params=O.megatron_bucket_params(dp),
-                     forward_s=float(forward_s), backward_s=float(backward_s))
+                     forward_s=float(forward_s), backward_s=float(backward_s), ranks=ranks)
 
 
 def _bridge_work(cluster, E, G, dp: int, pp: int, S: int):
@@ -147,18 +148,22 @@ def simulate_step(layout, step, kit) -> StepCost:
         pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores,
                                     cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
     mem, sync, opt = [], [], []
+    # only the modules with DP > 1 sync; the others' ranks wait without a core meanwhile
+    syncing = sum(lay["tp"] * lay["dp"] for lay in (E, G) if lay["dp"] > 1) + (mp * pp * dp if dp * cp > 1 else 0)
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
         p = sh[key].params / lay["tp"]
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
         col = 0 if key == "encoder" else S - 1
-        sync.append(_dp_sync(kit, p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster, ov, fwd[0, col], bwd[-1, col]))
+        sync.append(_dp_sync(kit, p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster, ov, fwd[0, col], bwd[-1, col],
+                             syncing))
         opt.append(C.optimizer_time(p / lay["dp"], cluster))
     for s, (_, params, n) in enumerate(stages):
         a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq / cp, sh["backbone"], n, tp, rc)
         mem.append(C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes) + a
                    + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0.0))
-        sync.append(_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, fwd[0, 1 + s], bwd[-1, 1 + s]))
+        sync.append(_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, fwd[0, 1 + s],
+                             bwd[-1, 1 + s], syncing))
         opt.append(C.optimizer_time(params / tp / (dp * cp), cluster))
     gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]
     data = 0.0
