@@ -203,6 +203,15 @@ class SystemAdapter(ABC):
             workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
             micro_batch_size=micro_batch_size, exact=exact, fixed=fixed or {})
 
+    # ---- profiling ---------------------------------------------------------------------------
+    def profile_host(self, workload: Workload, processes: int, spawn) -> dict[str, Any] | None:
+        """Optional: costs of this system's own step that the shared cost model does not price,
+        measured on this CPU with `processes` local gloo processes; `spawn(worker, args, what)`
+        runs worker(rank, port, *args, out_file) in each and returns the dict rank 0 wrote there.
+        `bench profile` stores the result in the profile's "systems"/<name>, and this system's
+        sim_module finds it in cluster.host["systems"]. None: nothing of its own."""
+        return None
+
     @classmethod
     def has_cost_model(cls) -> bool:
         return cls.sim_module is not None or cls.simulate_step is not SystemAdapter.simulate_step

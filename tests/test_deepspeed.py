@@ -124,3 +124,52 @@ def test_layout_does_not_import_deepspeed():
             "DeepSpeedSystem().layout({'zero_stage': 2}, 2, get_workload('tiny'), 8, 2); "
             "assert 'deepspeed' not in sys.modules, 'layout imported deepspeed'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _own_step_end_profile(processes_measured: int) -> dict:
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["comm"]["reduce_scatter"] = prof["comm"]["all_gather"] = {"latency_s": 1e-4, "bandwidth_Bps": 1e9}
+    prof["systems"] = {"deepspeed": {"flush_s": 0.3, "step_s": 0.2, "params": 1_000_000,
+                                     "processes": processes_measured, "zero_stage": 1}}
+    return prof
+
+
+def test_measured_step_end_replaces_the_modelled_reduction_only_where_it_matches_the_run():
+    """DeepSpeed's own flush + engine.step() as profiled (seconds per parameter) prices a ZeRO-1
+    step's end on the CPU at the process count it was measured with; elsewhere the shared model."""
+    from bench.sim.cluster import cluster_from_profile
+    from bench.sim.simulate import simulate
+    from systems.deepspeed.sim import _measured_step_end
+    prof = _own_step_end_profile(2)
+    cl = cluster_from_profile(prof, processes=2, cores=2)
+    assert _measured_step_end(cl, 1, 2, False) == pytest.approx(0.5 / 1_000_000)
+    assert _measured_step_end(cl, 2, 2, False) is None and _measured_step_end(cl, 1, 2, True) is None
+    assert _measured_step_end(cluster_from_profile(prof, processes=4, cores=2), 1, 4, False) is None
+    prof.pop("systems")
+    plain = cluster_from_profile(prof, processes=2, cores=2)
+    assert _measured_step_end(plain, 1, 2, False) is None
+    # the difference in the simulated step is the measured end minus the modelled one, by hand
+    from bench.sim import costs as C
+    from workloads.flops import parameter_counts
+    P = sum(C.module_shapes(get_workload("tiny"))[k].params for k in ("encoder", "backbone", "generator"))
+    modelled = (sum(C.dp_sync_parts(P, 2, False, plain, gradient="allreduce"))
+                + C.optimizer_time(P / 2, plain))
+    t = [simulate("tiny", "deepspeed", {"zero_stage": 1}, 2, c, num_batches=1)["iteration_time_s"]
+         for c in (cl, plain)]
+    assert t[0] - t[1] == pytest.approx(0.5 / 1_000_000 * P - modelled, rel=1e-6)
+    assert P == pytest.approx(parameter_counts(get_workload("tiny"))["total"], rel=0.01)
+
+
+@pytest.mark.multiprocess
+def test_own_step_end_is_measured_on_every_process_at_once(tmp_path):
+    from bench.profile.comm import run_processes
+    from systems.base import get_system
+
+    def spawn(worker, args, what):
+        return run_processes(worker, args, tmp_path / "out.json", what, nprocs=2, timeout=240)
+    got = get_system("deepspeed").profile_host(get_workload("tiny"), 2, spawn)
+    assert got["flush_s"] > 0 and got["step_s"] > 0 and got["processes"] == 2 and got["zero_stage"] == 1
+    from workloads.flops import parameter_counts
+    assert got["params"] == pytest.approx(parameter_counts(get_workload("tiny"))["total"], rel=0.05)   # + norms, biases
+    assert "coalesce_grad_reduction" in got["method"]

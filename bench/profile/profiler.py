@@ -24,7 +24,9 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
   * communication (CPU, unless --no-comm): gloo point-to-point ping-pong and all-reduce
     between 2 local processes, fitted as latency + bytes / bandwidth; one activation through
     megatron-core's bridge communicator (bench.profile.bridge); the DP collectives with
-    --dp-processes processes in DP groups of each size at once (bench.profile.dp_groups);
+    --dp-processes processes in DP groups of each size at once (bench.profile.dp_groups); and,
+    with as many processes, what a system adapter measures of its own step
+    (SystemAdapter.profile_host: DeepSpeed's gradient flush and engine.step());
   * a GEMM table (unless --no-gemm): torch.matmul forward / dgrad / wgrad over a grid of
     (m, n, k) with the runs' threads (bench.profile.gemm), from which the simulator predicts any
     GEMM shape; optional in the file (older profiles have none);
@@ -48,7 +50,7 @@ from pathlib import Path
 
 from bench import environment
 from bench.profile.bridge import measure_bridge
-from bench.profile.comm import COMM_SIZES, measure_comm
+from bench.profile.comm import COMM_SIZES, measure_comm, run_processes
 from bench.profile.dp_groups import measure_dp_groups
 from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
@@ -146,7 +148,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
             f"efficiency {m['efficiency']:.2f}  act {m['activation_bytes'] / 2**20:.1f} MiB")
     gemm = (None if gemm_grid is None
             else gemm_table(gemm_grid or None, device=device, dtype=dtype, threads=threads, log=log))
-    comm_result = None
+    comm_result = systems = None
     if comm and device == "cpu":
         try:
             comm_result = measure_comm()
@@ -159,6 +161,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         comm_result = _measure_bridge(w, comm_result, log=log)
         if dp_processes > 2 and comm_result and "reduce_scatter" in comm_result:
             comm_result = _measure_dp_groups(dp_processes, comm_result, log=log)
+            systems = _measure_systems(w, dp_processes, log=log)
     tp_result = corun = None
     if tp and device == "cpu":
         kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
@@ -183,7 +186,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                                                    if device == "cpu" else "torch.cuda.max_memory_allocated")),
         "peak_memory_bytes": int(peak_mem),
         "modules": modules, "optimizer": optim, "data": data_costs(w, metas, load_t, coll_t),
-        "comm": comm_result, "gemm": gemm, "tp": tp_result, "corun": corun, "elapsed_s": elapsed,
+        "comm": comm_result, "systems": systems, "gemm": gemm, "tp": tp_result, "corun": corun,
+        "elapsed_s": elapsed,
     }
 
 
@@ -232,6 +236,29 @@ def _measure_dp_groups(processes: int, comm_result: dict, *, log) -> dict:
         log(f"[profile]   DP groups {key} (processes/group), 64 MiB: reduce-scatter {at['reduce_scatter']:.3f} s, "
             f"all-gather {at['all_gather']:.3f} s, all-reduce {at['allreduce']:.3f} s")
     return {**comm_result, "dp_groups": groups}
+
+
+def _measure_systems(w, processes: int, *, log) -> dict | None:
+    """{system: what its adapter's profile_host measured} (its own step costs, e.g. DeepSpeed's
+    gradient flush) with `processes` processes; None if no system measures anything."""
+    import tempfile
+
+    from systems.base import get_system, system_names
+    out = {}
+    for name in system_names():
+        with tempfile.TemporaryDirectory() as tmp:
+            def spawn(worker, args, what):
+                return run_processes(worker, args, Path(tmp) / "out.json", what, nprocs=processes, timeout=300)
+            try:
+                got = get_system(name).profile_host(w, processes, spawn)
+            except (RuntimeError, OSError) as e:
+                log(f"[profile]   {name}'s own step costs not measured: {e}")
+                continue
+        if got:
+            out[name] = got
+            log(f"[profile]   {name} at {processes} processes: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in got.items() if k.endswith("_s")))
+    return out or None
 
 
 def _measure_corun(w, *, log, **kw) -> dict | None:

@@ -88,7 +88,9 @@ class Cluster:
     # Host-side costs per iteration (CPU runs): optimizer {"fixed_s", "s_per_param"} per optimizer,
     # data {"s_per_sample", "s_per_input_pixel", "s_per_output_pixel", "collate_s_per_microbatch"}
     # per rank that preprocesses in the trainer, "collectives_per_step" world collectives (the
-    # harness's barriers and loss reductions). Empty: not modelled (the GPU clusters).
+    # harness's barriers and loss reductions), "dp_sync" the DP collectives measured per
+    # "processes/group" with "processes" the run's, "systems" what an adapter measured of its own
+    # step (SystemAdapter.profile_host). Empty: not modelled (the GPU clusters).
     host: dict = field(default_factory=dict)
     # Processes sharing CPU cores (bench.sim.cluster.with_slowdown): compute runs `compute_slowdown`
     # times slower than profiled ("uniform" model), or, with `shared_cores`, the schedule shares
@@ -316,7 +318,8 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
         bridge=comm.get("bridge"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
-              "dp_sync": _dp_collectives(comm), "processes": procs, "source": where})
+              "dp_sync": _dp_collectives(comm), "processes": procs, "systems": profile.get("systems") or {},
+              "source": where})
     return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c
 
 

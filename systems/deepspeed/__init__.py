@@ -113,6 +113,13 @@ class DeepSpeedSystem(SystemAdapter):
         return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[4]),
                 "overlap_comm": {"-ov": True, "-noov": False}.get(m[3])}
 
+    def profile_host(self, workload, processes, spawn) -> dict | None:
+        """The coalesced gradient reduction and engine.step() at ZeRO-1 (systems.deepspeed.host_profile)."""
+        from systems.deepspeed.host_profile import flush_worker, method
+        out = spawn(flush_worker, (workload.name, workload.data_profile.name, 3, processes),
+                    "DeepSpeed gradient flush timing")
+        return {**out, "method": method()} if out else None
+
     def setup(self, ctx) -> None:
         from systems import cpu_compat, mcore
         mcore.use_cpu_if_needed(ctx.device)

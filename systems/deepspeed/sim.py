@@ -13,7 +13,10 @@ the optimizer step, exposed), and ZeRO-3's per-microbatch gathers behind that mi
 forward and backward (prefetch buckets of stage3_prefetch_bucket_size, the backward's
 gathers and reduce-scatter priced at reduce_bucket_size). The CPU-sized models fit one
 bucket, so nothing hides there, as measured (the adapter's coalesced reduction follows the
-backward, and DeepSpeed's CPU accelerator has no side streams).
+backward, and DeepSpeed's CPU accelerator has no side streams). On a CPU profile that timed
+DeepSpeed's own step end at the run's process count (systems.deepspeed.host_profile: its flush
+copies every gradient two more times around the all-reduce), that measurement replaces the
+all-reduce, optimizer and all-gather.
 """
 from __future__ import annotations
 
@@ -67,17 +70,33 @@ def simulate_step(layout, step, kit) -> StepCost:
     if cluster.shared_cores:                 # ranks that finish early free their core for the others
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown,
                                     cluster.oversubscribed_slowdown)[0]
-    sync = 0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
-                                        bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
-                                        gather_overlaps=False, gradient="allreduce")
+    own = _measured_step_end(cluster, z, dp, ov)
+    if own is not None:
+        sync = own * P
+    else:
+        sync = 0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
+                                            bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
+                                            gather_overlaps=False, gradient="allreduce")
     act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
            + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
            + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)
            + C.logits_bytes(w, mbs, 1))
     g0 = [i for mb in per_rank[0] for i in mb][:mbs]
     first = [[float(enc[g0].sum()), float(bb_flops * len(g0)), float(gen[g0].sum())]]
-    host_s = C.optimizer_time(P / dp if z >= 1 else P, cluster) + C.harness_time(dp, cluster)
+    host_s = (0.0 if own is not None else C.optimizer_time(P / dp if z >= 1 else P, cluster)) + C.harness_time(dp, cluster)
     return StepCost(pipe, sync + host_s, sum(compute), float(C.state_bytes(P, dp, z) + act), dp, first, data)
+
+
+def _measured_step_end(cluster, z: int, dp: int, overlap: bool) -> float | None:
+    """Seconds per parameter of the step's end (coalesced gradient reduction + engine.step(),
+    optimizer and parameter all-gather inside) as `bench profile` measured it on this CPU
+    (systems.deepspeed.host_profile), where it matches the run: same ZeRO stage, overlap_comm
+    off, DP = every process of the run; None elsewhere (then the shared model prices it)."""
+    own = (cluster.host or {}).get("systems", {}).get("deepspeed")
+    if (not own or overlap or z != own["zero_stage"] or dp != own["processes"]
+            or dp != cluster.host.get("processes")):
+        return None
+    return (own["flush_s"] + own["step_s"]) / own["params"]
 
 
 def _zero3_exposed(O, comm: float, compute: float, params: float, overlap: bool) -> float:
