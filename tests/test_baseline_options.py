@@ -74,11 +74,8 @@ def test_megatron_dp_sync_with_overlap_by_hand():
         float(C.dp_sync_time(params, dp, True, H100)))
 
 
-def test_dp_collectives_are_read_at_the_runs_process_arrangement():
-    """A CPU profile's DP collectives measured with 4 processes in groups of 2 and of 4 ("4/2",
-    "4/4") are read as measured; 2 of 4 processes syncing (DistTrain's backbone at DP 2 beside
-    1-rank modules) reads the 2-process fit; an unmeasured arrangement is the 2-rank fit
-    extrapolated by the ring model and slowed like host work."""
+def _dp_groups_cluster():
+    """4 processes on 2 cores, the 2-process fits and DP collectives measured in groups of 2 and 4."""
     from bench.sim.cluster import cluster_from_profile
     from tests.test_validate import synthetic_profile
     prof = synthetic_profile()
@@ -89,7 +86,15 @@ def test_dp_collectives_are_read_at_the_runs_process_arrangement():
                                          "allreduce": fit(0.03, 2e-9)},
                                  "4/4": {"reduce_scatter": fit(0.04, 4e-9), "all_gather": fit(0.05, 5e-9),
                                          "allreduce": fit(0.06, 6e-9)}, "method": "synthetic"}
-    cl = cluster_from_profile(prof, processes=4, cores=2)
+    return cluster_from_profile(prof, processes=4, cores=2)
+
+
+def test_dp_collectives_are_read_at_the_runs_process_arrangement():
+    """A CPU profile's DP collectives measured with 4 processes in groups of 2 and of 4 ("4/2",
+    "4/4") are read as measured; 2 of 4 processes syncing (DistTrain's backbone at DP 2 beside
+    1-rank modules) reads the 2-process fit; an unmeasured arrangement is the 2-rank fit
+    extrapolated by the ring model and slowed like host work."""
+    cl = _dp_groups_cluster()
     params, nbytes = 1e6, 4e6                                              # fp32 gradients on the wire
     assert C.dp_sync_parts(params, 2, False, cl) == pytest.approx((0.01 + 3e-9 * nbytes, 0.02 + 1e-9 * nbytes))
     assert C.dp_sync_parts(params, 4, False, cl, gradient="allreduce") == pytest.approx(
@@ -105,6 +110,18 @@ def test_dp_collectives_are_read_at_the_runs_process_arrangement():
     bw, lat = H100.link(True)
     assert C.dp_sync_parts(1e9, 8, True, H100, gradient="allreduce")[0] == pytest.approx(
         C.ring_allreduce(2e9, 8, bw, lat))
+
+
+def test_first_pipeline_stage_reduces_its_gradients_alone():
+    """pp2-dp2 on 4 processes: the first stage's reduce-scatter runs at the 2-process arrangement
+    (the other stage waits at the gradient-norm all-reduce), its all-gather with every process."""
+    from systems.megatron.sim import _stage_sync
+    cl, params, nbytes = _dp_groups_cluster(), 1e6, 4e6
+    last = _stage_sync(KIT, 1, 2, params, 2, 1, False, cl, False, 0.0, 0.0)
+    first = _stage_sync(KIT, 0, 2, params, 2, 1, False, cl, False, 0.0, 0.0)
+    assert last == pytest.approx(0.01 + 3e-9 * nbytes + 0.02 + 1e-9 * nbytes)           # "4/2" both
+    assert first == pytest.approx(1e-3 + 1e-9 * nbytes + 0.02 + 1e-9 * nbytes)          # "2/2" RS, "4/2" AG
+    assert _stage_sync(KIT, 0, 1, params, 2, 1, False, cl, False, 0.0, 0.0) == pytest.approx(last)
 
 
 # ---------------------------------------------------------------- sequence parallelism

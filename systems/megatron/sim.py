@@ -106,7 +106,7 @@ def simulate_step(layout, step, kit) -> StepCost:
             p, chunk = p + params, chunk + [a]
         act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0)
         mem.append(C.distributed_optimizer_bytes(p / tp, dp * cp, cluster.value_bytes) + act)
-        sync.append(_dp_sync(kit, p / tp, dp * cp, mp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
+        sync.append(_stage_sync(kit, s, pp, p / tp, dp * cp, mp, mp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
         opt.append(C.optimizer_time(p / tp / (dp * cp), cluster))     # distributed optimizer: a 1/(dp cp) shard
     host_s = max(opt) + C.harness_time(mp * pp * dp, cluster)
     return StepCost(pipe, max(sync) + host_s, busy, max(mem), mp * pp * dp, first, data)
@@ -129,6 +129,19 @@ def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) ->
     O = kit.overlap
     return O.dp_sync(params, dp, spans, cluster, overlap=overlap, bucket_params=O.megatron_bucket_params(dp),
                      forward_s=float(forward_s), backward_s=float(backward_s))
+
+
+def _stage_sync(kit, s, pp, params, dp, mp, spans, cluster, overlap, forward_s, backward_s) -> float:
+    """_dp_sync of pipeline stage `s`. 1F1B ends on the first stage: the later stages have reduced
+    their gradients and wait (no core) at clip_grad's gradient-norm all-reduce, which lines every
+    stage up for the optimizer step and parameter all-gather; so the first stage's reduce-scatter
+    (not overlapped) runs with only its own mp x dp ranks at work (timed on small-enc-heavy at
+    pp2-dp2, 4 processes on 2 cores: its finish_grad_sync ran while the other stage waited)."""
+    t = _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s)
+    if s == 0 and pp > 1 and not overlap and dp > 1:
+        t += (kit.costs.dp_sync_parts(params, dp, spans, cluster, ranks=mp * dp)[0]
+              - kit.costs.dp_sync_parts(params, dp, spans, cluster)[0])
+    return t
 
 
 def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool, sp: bool = False, vpp: int = 1,
@@ -178,7 +191,7 @@ def _estimate(w, st, cluster, kit, parts, tp, pp, dp, vpp, overlap, cp) -> float
             return float("inf")
     hidden, seq = w.backbone.hidden_size, w.backbone.seq_length
     link = float(C.p2p_time(st.mbs * seq, hidden, mp, cluster, mp * dp >= gpn)) if pp > 1 else 0.0
-    sync = max(_dp_sync(kit, params[s] / tp, dp * cp, mp * dp > gpn, cluster, overlap, t_f[s], t_b[s])
+    sync = max(_stage_sync(kit, s, pp, params[s] / tp, dp * cp, mp, mp * dp > gpn, cluster, overlap, t_f[s], t_b[s])
                for s in range(pp))
     return I.estimate(t_f + t_b, link, m, vpp) + sync
 
