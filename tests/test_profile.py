@@ -106,6 +106,11 @@ def test_fits():
     assert a == 0.0 and b > 0
     coef = fit_linear_nonneg(np.c_[np.ones(4), x], 1.0 + 3.0 * x)
     assert coef == pytest.approx([1.0, 3.0])
+    from bench.profile.fit import fit_message_times       # latency from small messages, slope from big ones
+    mib = 1 << 20
+    pts = [[256, 1e-4], [4096, 3e-4], [64 << 10, 9.0], [mib, 1e-3 + 2e-9 * mib], [16 * mib, 1e-3 + 2e-9 * 16 * mib]]
+    assert fit_message_times(pts) == pytest.approx((2e-4, 2e-9))
+    assert fit_message_times([[256, 1e-4], [mib, 1e-4 + 1e-9 * mib]]) == pytest.approx((1e-4, 1e-9))
 
 
 @pytest.mark.multiprocess

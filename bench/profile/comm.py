@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.profile.fit import fit_affine
+from bench.profile.fit import fit_message_times
 
 COMM_SIZES = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)   # bytes (64 MiB: a whole small-model buffer)
 
@@ -76,17 +76,7 @@ def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> di
                             "gloo communication measurement", timeout=timeout)
 
     def fit(points):
-        """(latency: median time of the messages <= 4 KiB, seconds per byte: least-squares slope
-        over the messages >= 1 MiB); separate ranges, so neither term swamps the other."""
-        small = [t for n, t in points if n <= 4096]
-        big = [(n, t) for n, t in points if n >= (1 << 20)]
-        lat = float(statistics.median(small)) if small else 0.0
-        if len(big) >= 2:
-            _, slope, _ = fit_affine([n for n, _ in big], [t for _, t in big])
-        elif big:
-            slope = max(big[0][1] - lat, 0.0) / big[0][0]
-        else:
-            slope = 0.0
+        lat, slope = fit_message_times(points)
         return lat, max(slope, 1e-15)          # bandwidth at most 1 PB/s: finite in JSON
     p2p_a, p2p_b = fit(raw["p2p"])
     ar_a, ar_b = fit(raw["allreduce"])

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.profile.comm import run_processes
-from bench.profile.fit import fit_affine
+from bench.profile.fit import fit_message_times
 
 DP_SIZES = (4 << 10, 4 << 20, 16 << 20, 64 << 20)     # bytes: latency, then up to a small model's buffer
 KINDS = ("reduce_scatter", "all_gather", "allreduce")
@@ -68,13 +68,9 @@ def group_sizes(world: int) -> list[int]:
 
 
 def fit_collective(points) -> dict:
-    """latency: median time of the buffers <= 4 KiB; s_per_byte: least-squares slope over those
-    >= 1 MiB (separate ranges, so neither term swamps the other)."""
-    small = [t for n, t in points if n <= 4096]
-    big = [(n, t) for n, t in points if n >= (1 << 20)]
-    lat = float(statistics.median(small)) if small else 0.0
-    slope = fit_affine([n for n, _ in big], [t for _, t in big])[1] if len(big) >= 2 else 0.0
-    return {"latency_s": lat, "s_per_byte": max(float(slope), 0.0), "points": points}
+    """{"latency_s", "s_per_byte", "points"} of one collective's [bytes, seconds] points."""
+    lat, slope = fit_message_times(points)
+    return {"latency_s": lat, "s_per_byte": slope, "points": points}
 
 
 def measure_dp_groups(world: int = 4, *, sizes=DP_SIZES, iters: int = 10, timeout: float = 180.0) -> dict:

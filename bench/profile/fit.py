@@ -23,6 +23,22 @@ def fit_affine(x, y) -> tuple[float, float, float]:
     return float(a), float(b), (1.0 - sse((a, b)) / tot) if tot > 0 else 1.0
 
 
+def fit_message_times(points) -> tuple[float, float]:
+    """(latency: median time of the messages <= 4 KiB, seconds per byte: least-squares slope over
+    those >= 1 MiB, or the one big message's excess over the latency) of [bytes, seconds] points;
+    separate ranges, so neither term swamps the other."""
+    small = [t for n, t in points if n <= 4096]
+    big = [(n, t) for n, t in points if n >= (1 << 20)]
+    lat = float(np.median(small)) if small else 0.0
+    if len(big) >= 2:
+        slope = fit_affine([n for n, _ in big], [t for _, t in big])[1]
+    elif big:
+        slope = max(big[0][1] - lat, 0.0) / big[0][0]
+    else:
+        slope = 0.0
+    return lat, float(slope)
+
+
 def fit_linear_nonneg(X, y) -> np.ndarray:
     """Least squares with non-negative coefficients (tiny active-set loop; X has few columns)."""
     X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64)

@@ -159,8 +159,9 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         except (RuntimeError, OSError) as e:
             log(f"[profile]   communication not measured: {e}")
         comm_result = _measure_bridge(w, comm_result, log=log)
-        if dp_processes > 2 and comm_result and "reduce_scatter" in comm_result:
-            comm_result = _measure_dp_groups(dp_processes, comm_result, log=log)
+        if dp_processes > 2:
+            if comm_result and "reduce_scatter" in comm_result:     # the simulator extends the 2-process fit
+                comm_result = _measure_dp_groups(dp_processes, comm_result, log=log)
             systems = _measure_systems(w, dp_processes, log=log)
     tp_result = corun = None
     if tp and device == "cpu":

@@ -71,20 +71,21 @@ def simulate_step(layout, step, kit) -> StepCost:
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown,
                                     cluster.oversubscribed_slowdown)[0]
     own = _measured_step_end(cluster, z, dp, ov)
-    if own is not None:
-        sync = own * P
+    if own is not None:                      # reduction, optimizer and all-gather as measured
+        end = own * P
     else:
-        sync = 0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
+        end = (0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
                                             bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
                                             gather_overlaps=False, gradient="allreduce")
+               + C.optimizer_time(P / dp if z >= 1 else P, cluster))
     act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
            + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
            + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)
            + C.logits_bytes(w, mbs, 1))
     g0 = [i for mb in per_rank[0] for i in mb][:mbs]
     first = [[float(enc[g0].sum()), float(bb_flops * len(g0)), float(gen[g0].sum())]]
-    host_s = (0.0 if own is not None else C.optimizer_time(P / dp if z >= 1 else P, cluster)) + C.harness_time(dp, cluster)
-    return StepCost(pipe, sync + host_s, sum(compute), float(C.state_bytes(P, dp, z) + act), dp, first, data)
+    return StepCost(pipe, end + C.harness_time(dp, cluster), sum(compute), float(C.state_bytes(P, dp, z) + act), dp,
+                    first, data)
 
 
 def _measured_step_end(cluster, z: int, dp: int, overlap: bool) -> float | None:
