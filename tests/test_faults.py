@@ -23,6 +23,7 @@ import pytest
 from bench.config import resolve
 from bench.records import read_records
 from bench.run import progress
+from bench.run.runner import interrupts_held
 from bench.run.supervise import Launch, _split_prefix
 from systems.base import ConfigError
 from tests.helpers import FAST
@@ -32,6 +33,22 @@ MARKER = "BENCH_TEST_FAULT_MARKER"
 
 
 # ---- pure: no processes ----------------------------------------------------------------------
+
+def test_an_interrupt_between_a_finished_run_and_its_record_waits_for_the_record():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    appended = []
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)         # Ctrl-C, then a kill, while the record is built
+            os.kill(os.getpid(), signal.SIGTERM)
+            appended.append("record")
+    assert appended == ["record"]
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with pytest.raises(OSError, match="disk full"):     # the block's own failure is not masked
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError("disk full")
+
 
 @pytest.mark.parametrize("spec, message", [
     ("boom@1:2", "write KIND@RANK:STEP"), ("kill@one:2", "write KIND@RANK:STEP"), ("kill@1", "write KIND@RANK:STEP"),

@@ -94,31 +94,36 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
     log_path = logs / f"{run_id}.log"
     if nodes is not None:
         nodes.work.mkdir(parents=True, exist_ok=True)
-    with (contextlib.nullcontext(str(nodes.work)) if nodes else tempfile.TemporaryDirectory(prefix="bench-")) as tmp:
-        config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        config_file.write_text(dumps(cfg))
-        (Path(tmp) / "progress").mkdir(exist_ok=nodes is not None)
-        port = nodes.master_port if nodes else environment.free_port()
-        cmd = torchrun_command(cfg, config_file, dataset, out, port, Path(tmp), nodes)
-        print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
-              f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
-              flush=True)
-        if not quiet:
-            print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
-        start = time.perf_counter()
-        service = _data_service(cfg, dataset)
-        with sigterm_interrupts(), service as service_env:
-            if nodes is not None:           # the other nodes start their torchrun once this exists
-                _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
-            outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
-                              abort=lambda: _preprocess_failure(service))
-        raw = json.loads(out.read_text()) if outcome.rc == 0 and out.exists() else None
-        if raw is not None:
-            raw["launch_wall_s"] = round(time.perf_counter() - start, 3)
-        failure = outcome.failure or supervise.Failure(f"exit code {outcome.rc} without a result", {"kind": "launch"})
-        kept = progress.read_steps(Path(tmp) / "progress") if raw is None else []
-    record = _record(cfg, layout, run_id, raw, failure, kept, dataset, repeat, outcome.wall_s)
-    records.append_record(record, results)
+    work = contextlib.nullcontext(str(nodes.work)) if nodes else tempfile.TemporaryDirectory(prefix="bench-")
+    with sigterm_interrupts(), contextlib.ExitStack() as window:
+        with work as tmp:
+            config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
+            config_file.write_text(dumps(cfg))
+            (Path(tmp) / "progress").mkdir(exist_ok=nodes is not None)
+            port = nodes.master_port if nodes else environment.free_port()
+            cmd = torchrun_command(cfg, config_file, dataset, out, port, Path(tmp), nodes)
+            print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
+                  f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
+                  flush=True)
+            if not quiet:
+                print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
+            start = time.perf_counter()
+            service = _data_service(cfg, dataset)
+            with service as service_env:
+                if nodes is not None:           # the other nodes start their torchrun once this exists
+                    _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
+                outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
+                                  abort=lambda: _preprocess_failure(service))
+                # The run is over: a Ctrl-C or SIGTERM from here waits until its record is appended.
+                window.enter_context(interrupts_held())
+            raw = json.loads(out.read_text()) if outcome.rc == 0 and out.exists() else None
+            if raw is not None:
+                raw["launch_wall_s"] = round(time.perf_counter() - start, 3)
+            failure = outcome.failure or supervise.Failure(f"exit code {outcome.rc} without a result",
+                                                           {"kind": "launch"})
+            kept = progress.read_steps(Path(tmp) / "progress") if raw is None else []
+        record = _record(cfg, layout, run_id, raw, failure, kept, dataset, repeat, outcome.wall_s)
+        records.append_record(record, results)
     from bench.run import wandb_mirror
     wandb_mirror.mirror(record, results.parent, wandb_mode)
     status = record["status"] + (f" ({record['reason']})" if record["reason"] else "")
@@ -143,6 +148,26 @@ def sigterm_interrupts():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C and SIGTERM wait until the block ends, then stop the caller as they would have
+    (KeyboardInterrupt), unless the block already raised: between the end of a run and its
+    appended record, an interrupt would otherwise lose a finished run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        raise KeyboardInterrupt(signal.Signals(held[0]).name)
 
 
 def _data_service(cfg: RunConfig, dataset: Path):
