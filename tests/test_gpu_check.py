@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.profile.gpu import SCHEMA, layer_shapes, mfu, paper_presets, rank_training_flops
+from bench.profile.gpu import SCHEMA
+from bench.profile.layers import layer_shapes, mfu, paper_presets, rank_training_flops
 from bench.sim import gpu_profile
 from bench.sim.cluster import CLUSTERS, get_cluster
 from workloads.presets import get_workload

@@ -5,7 +5,7 @@ backward MFU at the paper-scale shapes, and the GEMM table, as one profile the s
 What is measured (one process, no communication):
   * peak: an n x n x n matmul (8192 by default) in the profile's dtype, timed with CUDA events
     one product at a time after warm-up; the median and the best of `iters` products;
-  * layers: every distinct module layer of the paper-scale presets (paper_presets()), built as
+  * layers: every distinct module layer of the paper-scale presets (bench.profile.layers), built as
     the trainers build it (megatron-core layer spec of workloads.model, one layer, no DDP),
     at the per-rank widths of TP t: heads / t, KV groups / t, FFN / t, head size and hidden
     unchanged, so its GEMMs are one TP rank's (bench/sim/gemm.py layer_gemms; no TP
@@ -24,84 +24,18 @@ import dataclasses
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from workloads.flops import TRAIN_MULTIPLIER, layer_forward_flops
+from bench.profile.layers import (IMAGE_TOKENS_PER_CALL, TP_DEGREES, LayerShape, layer_shapes, mfu,
+                                  rank_training_flops)
 from workloads.presets import PRESETS
 
 SCHEMA = "disttrain-bench-gpu-profile/1"
-# Tokens per call for the encoder and generator layers: whole images at the largest resolution,
-# as many as make about this many tokens (a choice of the measurement, not a data statistic;
-# the backbone runs one packed sequence, the presets' micro batch).
-IMAGE_TOKENS_PER_CALL = 4096
-TP_DEGREES = (1, 2, 4, 8)           # one NVLink node's TP sizes (8 GPUs, bench.sim.cluster)
 # The unfused local attention materializes n x n fp32 scores per head (and more copies in its
 # backward): it is measured only where one such copy takes at most this share of the GPU's memory
 # (a choice; beyond it the layer would not run, and SDPA is measured there anyway).
 LOCAL_SCORES_MEMORY_SHARE = 0.25
-
-
-def paper_presets() -> tuple[str, ...]:
-    """The paper-scale presets (published model shapes, sources in workloads/presets.py): those too
-    large to profile on a CPU (bench.profile.profiler.CPU_MAX_PARAMS), in preset order."""
-    from bench.profile.profiler import CPU_MAX_PARAMS
-    from workloads.flops import parameter_counts
-    return tuple(n for n, w in PRESETS.items() if parameter_counts(w)["total"] > CPU_MAX_PARAMS)
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One module layer as the trainers build it: width, heads, KV groups, FFN, tokens per call."""
-    module: str                     # encoder | backbone | generator
-    hidden: int
-    heads: int
-    groups: int                     # KV groups (= heads without grouped-query attention)
-    ffn: int
-    gated: bool                     # backbone: RMSNorm + SwiGLU, causal; else LayerNorm + GELU
-    seq: int                        # tokens per sequence (attention runs within it)
-    batch: int                      # sequences (images) per call
-    presets: tuple[str, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.presets[0]}/{self.module}"
-
-    def fits_tp(self, tp: int) -> bool:
-        return self.heads % tp == 0 and self.groups % tp == 0 and self.ffn % tp == 0
-
-
-def layer_shapes(presets=None, image_tokens: int = IMAGE_TOKENS_PER_CALL) -> list[LayerShape]:
-    """The distinct module layers of `presets` (default: paper_presets()), in preset order (a shape
-    shared by presets once)."""
-    found: dict[tuple, LayerShape] = {}
-    for p in paper_presets() if presets is None else presets:
-        w = PRESETS[p]
-        e, b, g = w.encoder, w.backbone, w.generator
-        img = w.image_patches(max(e.resolutions))
-        lat = w.latent_tokens(max(g.resolutions)) + g.num_cond_tokens
-        rows = [("encoder", e.hidden_size, e.num_attention_heads, e.num_attention_heads, e.ffn_hidden_size, False,
-                 img, max(1, image_tokens // img)),
-                ("backbone", b.hidden_size, b.num_attention_heads, b.num_query_groups, b.ffn_hidden_size, True,
-                 b.seq_length, w.micro_batch_size),
-                ("generator", g.hidden_size, g.num_attention_heads, g.num_attention_heads, g.ffn_hidden_size, False,
-                 lat, max(1, image_tokens // lat))]
-        for row in rows:
-            old = found.get(row)
-            found[row] = (dataclasses.replace(old, presets=old.presets + (p,)) if old
-                          else LayerShape(*row, presets=(p,)))
-    return list(found.values())
-
-
-def rank_training_flops(shape: LayerShape, tp: int) -> float:
-    """Model FLOPs of one TP rank's layer, forward + backward, per call (every term splits over t)."""
-    fwd = layer_forward_flops(shape.seq, shape.hidden, shape.heads, shape.groups, shape.ffn, shape.gated)
-    return TRAIN_MULTIPLIER * shape.batch * fwd / tp
-
-
-def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
-    return None if not peak else flops / seconds / peak
 
 
 # ------------------------------------------------------------------------------ timing
