@@ -113,6 +113,20 @@ def test_fits():
     assert fit_message_times([[256, 1e-4], [mib, 1e-4 + 1e-9 * mib]]) == pytest.approx((1e-4, 1e-9))
 
 
+def test_a_module_whose_flops_explain_nothing_keeps_the_peak_rate_and_its_overhead():
+    # the tiny encoder of an after-sweep profile: time is per call, the FLOP coefficient fits 0;
+    # the achieved rate (overhead included) beside that overhead once counted every call twice
+    from bench.profile.fit import module_summary
+    calls, flops = [0, 2, 2, 3, 3, 2, 1, 3], [0, 6.9e6, 1.2e7, 2.7e7, 2e7, 1.1e7, 9.5e6, 4e7]
+    t = [0.0003, 0.0130, 0.0133, 0.0202, 0.0191, 0.0141, 0.0076, 0.0195]
+    rec = {"fwd": [x / 2 for x in t], "bwd": [x / 2 for x in t], "flops": flops, "calls": calls,
+           "tokens": [1] * 8, "mem": [0]}
+    m = module_summary("encoder", rec, 2, 8e10)
+    assert m["rate_flops"] == pytest.approx(8e10) and m["overhead_s"] == pytest.approx(0.0063, abs=3e-4)
+    pred = [m["overhead_s"] * c + f / m["rate_flops"] for c, f in zip(calls[1:], flops[1:])]
+    assert np.allclose(pred, t[1:], rtol=0.25) and m["fit_r2"] > 0.8
+
+
 @pytest.mark.multiprocess
 def test_gloo_comm_measurement():
     from bench.profile.profiler import measure_comm

@@ -77,9 +77,10 @@ def module_summary(name, rec, layers, peak) -> dict:
     y = (fwd + bwd)[live]
     a, b = (fit_linear_nonneg(np.c_[calls[live], flops[live]], y) if name != "backbone" and live.sum() >= 2
             else (0.0, 1.0 / achieved if achieved else 0.0))
-    if b > 0 and 1.0 / b > 1.5 * peak and live.sum() >= 2:
-        # FLOPs explain almost nothing (tiny layers): an implausible rate; keep the peak as rate and
-        # give the rest to the per-call overhead
+    if name != "backbone" and live.sum() >= 2 and (b <= 0 or 1.0 / b > 1.5 * peak):
+        # FLOPs explain almost nothing (tiny layers): no rate, or an implausible one; keep the peak
+        # as rate and give the rest to the per-call overhead (the achieved rate, overhead included,
+        # would count that overhead twice)
         b = 1.0 / peak
         a = max(0.0, float(((y - b * flops[live]) * calls[live]).sum() / (calls[live] ** 2).sum()))
     pred = a * calls[live] + b * flops[live]
