@@ -510,6 +510,26 @@ def test_shared_cores_schedule():
     assert ends[1] == pytest.approx(1.5) and t == pytest.approx(1.5 + 2.0)
 
 
+def test_a_stage_tail_runs_after_its_own_last_backward_or_its_groups():
+    from bench.sim.schedule import Chain, shared_1f1b, tail_ends
+    # two stages, one microbatch of 1 s per operation: stage 1 ends at 3 s, stage 0 at 4 s
+    f, b = np.ones((1, 2)), np.ones((1, 2))
+    assert one_f_one_b(f, b).stage_end == (4.0, 3.0)
+    for tail, group, cores, end in (
+            ([0.0, 0.5], None, 64, 4.0),         # stage 1's tail hides behind stage 0's last backward
+            ([0.0, 2.0], None, 64, 5.0),         # ... as far as it is shorter
+            ([0.5, 0.0], None, 64, 4.5),
+            ([0.0, 0.5], [0, 0], 64, 4.5),       # a group's tails start once all its stages are done
+            ([0.0, 0.5], None, 1, 4.5)):         # one core: the tail takes it from stage 0 (4 s of work + 0.5)
+        assert shared_1f1b([Chain(f, b, tail=np.array(tail), tail_group=group)], cores=cores)[0] == \
+            pytest.approx(end), (tail, group, cores)
+        if cores == 64:
+            assert tail_ends((4.0, 3.0), tail, group).max() == pytest.approx(end)
+    # a tail keeping two processes busy on one core runs at half speed beside nothing else
+    assert shared_1f1b([Chain(f, b, tail=np.array([0.5, 0.0]), wt=np.array([2.0, 1.0]))], cores=1)[0] == \
+        pytest.approx(5.0)
+
+
 def test_shared_vs_uniform_oversubscription():
     # 4 processes on 2 cores: a module pipeline whose ranks mostly wait is barely slowed when only
     # busy processes share the cores, but twice as slow under the uniform min(1, C/P) rule

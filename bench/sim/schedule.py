@@ -120,12 +120,29 @@ def estimate_1f1b(stage_fb, links=None, m: int = 1) -> float:
 class Chain:
     """One pipeline for `shared_1f1b`: [m, S] forward / backward durations (seconds on a whole
     core), S - 1 link delays, and how many processes each operation keeps busy ([m, S], or
-    None: one per operation)."""
+    None: one per operation). `tail` ([S] seconds, processes `wt`): work each stage does after
+    its own last backward (a disaggregated module's gradient sync and optimizer step, which need
+    not wait for the other stages); stages of one `tail_group` id (>= 0) start their tails
+    together, once all of them are done (a module's pipeline stages meet at its optimizer's
+    gradient-norm all-reduce)."""
     fwd: np.ndarray
     bwd: np.ndarray
     links: list | None = None
     wf: np.ndarray | None = None
     wb: np.ndarray | None = None
+    tail: np.ndarray | None = None
+    wt: np.ndarray | None = None
+    tail_group: list | None = None
+
+
+def tail_ends(clock, tail, tail_group=None) -> np.ndarray:
+    """Per stage, when its tail (Chain.tail) ends, the stages ending at `clock` on their own cores."""
+    clock, tail = np.asarray(clock, dtype=np.float64), np.asarray(tail, dtype=np.float64)
+    start = clock.copy()
+    group = np.full(len(clock), -1) if tail_group is None else np.asarray(tail_group)
+    for g in set(group[group >= 0].tolist()):
+        start[group == g] = clock[group == g].max()
+    return start + tail
 
 
 def contention(busy: float, cores: float, corun: float, oversubscribed: float | None = None) -> float:
@@ -163,10 +180,15 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
         wf = np.ones_like(fwd) if ch.wf is None else np.asarray(ch.wf, dtype=np.float64)
         wb = np.ones_like(bwd) if ch.wb is None else np.asarray(ch.wb, dtype=np.float64)
         link = [0.0] * (S - 1) if ch.links is None else [float(x) for x in ch.links]
-        ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S,
+        tail = np.zeros(S) if ch.tail is None else np.asarray(ch.tail, dtype=np.float64)
+        wt = np.ones(S) if ch.wt is None else np.asarray(ch.wt, dtype=np.float64)
+        group = [-1] * S if ch.tail_group is None else list(ch.tail_group)
+        ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S, "tail": tail, "wt": wt,
+                    "group": group,
                     "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0}
         st.append(ch_state)
-    stages = [(c, s, stage_ops(s, ch["S"], ch["m"])) for c, ch in enumerate(st) for s in range(ch["S"])]
+    stages = [(c, s, stage_ops(s, ch["S"], ch["m"]) + ([(2, 0)] if ch["tail"][s] > 0 else []))
+              for c, ch in enumerate(st) for s in range(ch["S"])]
     ptr = [0] * len(stages)
     running: dict[int, list] = {}    # stage index -> [remaining work, weight, kind, j]
     t = 0.0
@@ -179,7 +201,12 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 continue
             ch = st[c]
             kind, j = ops[ptr[i]]
-            if kind == 0:
+            if kind == 2:                # the stage's tail: after its own (and its group's) last operation
+                mates = [x for x in range(ch["S"]) if ch["group"][x] == ch["group"][s] >= 0]
+                if any((ch["b_end"][x] < 0).any() for x in mates):
+                    continue
+                ready = max((ch["b_end"][x].max() for x in mates), default=0.0)
+            elif kind == 0:
                 if s == 0:
                     ready = 0.0
                 elif ch["f_end"][s - 1][j] < 0:
@@ -196,8 +223,11 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
             prev = max(ch["f_end"][s].max(), ch["b_end"][s].max(), 0.0)    # the stage's own last op
             ready = max(ready, prev)
             if ready <= t + eps:
-                work = (ch["fwd"] if kind == 0 else ch["bwd"])[j][s]
-                weight = (ch["wf"] if kind == 0 else ch["wb"])[j][s]
+                if kind == 2:
+                    work, weight = ch["tail"][s], ch["wt"][s]
+                else:
+                    work = (ch["fwd"] if kind == 0 else ch["bwd"])[j][s]
+                    weight = (ch["wf"] if kind == 0 else ch["wb"])[j][s]
                 running[i] = [float(work), max(float(weight), 1e-9), kind, j]
             else:
                 pending.append(ready)
@@ -218,7 +248,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
         for i in finished:
             c, s, ops = stages[i]
             _, _, kind, j = running.pop(i)
-            (st[c]["f_end"] if kind == 0 else st[c]["b_end"])[s][j] = t
+            if kind < 2:
+                (st[c]["f_end"] if kind == 0 else st[c]["b_end"])[s][j] = t
             st[c]["end"] = max(st[c]["end"], t)
             ptr[i] += 1
             done += 1

@@ -7,6 +7,10 @@ A context-parallel backbone (cp > 1) splits every sequence over cp ranks per sta
 (bench.sim.context: 1/cp of the compute and activations, all-to-all or ring communication);
 its gradients are reduced and its optimizer sharded over DP x CP. The encoder and generator
 have no CP: their groups are sized for their own bounded inputs.
+Each module reduces its gradients and steps its optimizer as soon as its own last backward is
+done (the runtime's modules do, systems/disttrain/runtime.py), the backbone's stages together
+(its optimizer's gradient-norm all-reduce spans them): a tail of the module's pipeline stage,
+which on shared cores competes for them with the modules still in their backwards.
 The colocated placement is priced by systems.disttrain.sim_colocated, the layout search is
 systems.disttrain.search.
 """
@@ -47,7 +51,8 @@ def search(w, num_devices, cluster, kit, **kw):
 
 
 def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s, ranks) -> float:
-    """One group's DP sync, `ranks` ranks syncing at once (the modules with DP > 1); with overlap
+    """One group's DP sync, priced as measured with `ranks` ranks syncing (on shared cores: the
+    group's own, the schedule's processor sharing adding the other groups' load); with overlap
     its reduce-scatter hides behind the group's last microbatch's backward and its all-gather
     behind its first forward (bench.sim.overlap, the bucket size of megatron DDP, which every
     module is wrapped in)."""
@@ -143,28 +148,36 @@ def simulate_step(layout, step, kit) -> StepCost:
         fwd, bwd, wf, wb = fwd[o], bwd[o], wf[o], wb[o]
         order = False
     fwd, bwd, res, _ = schedule.order_microbatches(fwd, bwd, links, order)
-    pipe = res.iteration_time
-    if cluster.shared_cores:                 # the module pipeline's ranks share the cores
-        pipe = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], cluster.shared_cores,
-                                    cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
-    mem, sync, opt = [], [], []
-    # only the modules with DP > 1 sync; the others' ranks wait without a core meanwhile
-    syncing = sum(lay["tp"] * lay["dp"] for lay in (E, G) if lay["dp"] > 1) + (mp * pp * dp if dp * cp > 1 else 0)
+    # Each module syncs its gradients and steps its optimizer once its own last backward is done
+    # (the generator's, early in the flush, hides behind the encoder's last backwards); the
+    # backbone's stages meet first at its optimizer's gradient-norm all-reduce (tail_group).
+    mem, tail, ranks = [], np.zeros(S), np.zeros(S)
+    shared = cluster.shared_cores
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
         p = sh[key].params / lay["tp"]
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
         col = 0 if key == "encoder" else S - 1
-        sync.append(_dp_sync(kit, p, lay["dp"], lay["tp"] * lay["dp"] > gpn, cluster, ov, fwd[0, col], bwd[-1, col],
-                             syncing))
-        opt.append(C.optimizer_time(p / lay["dp"], cluster))
+        ranks[col] = lay["tp"] * lay["dp"]
+        tail[col] = (_dp_sync(kit, p, lay["dp"], ranks[col] > gpn, cluster, ov, fwd[0, col], bwd[-1, col],
+                              ranks[col] if shared else None)
+                     + _alone(C.optimizer_time(p / lay["dp"], cluster), cluster))
     for s, (_, params, n) in enumerate(stages):
         a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq / cp, sh["backbone"], n, tp, rc)
         mem.append(C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes) + a
                    + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0.0))
-        sync.append(_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, fwd[0, 1 + s],
-                             bwd[-1, 1 + s], syncing))
-        opt.append(C.optimizer_time(params / tp / (dp * cp), cluster))
+        ranks[1 + s] = mp * dp
+        tail[1 + s] = (_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, fwd[0, 1 + s], bwd[-1, 1 + s],
+                                ranks[1 + s] if shared else None)
+                       + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
+    group = [-1] + [0] * pp + [-1]
+    pipe = res.iteration_time
+    end = float(schedule.tail_ends(res.stage_end, tail, group).max())
+    if shared:                               # the module pipeline's ranks share the cores
+        pipe, end = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], shared, cluster.corun_slowdown,
+                                         cluster.oversubscribed_slowdown)[0], \
+            schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group)], shared,
+                                 cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
     gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]
     data = 0.0
     if rd is not None:
@@ -172,5 +185,10 @@ def simulate_step(layout, step, kit) -> StepCost:
         for key in MODULES:
             for r in rows[key]:                  # every rank preprocesses its own rows
                 data = max(data, C.data_time(load, [i for mb in r for i in mb], len(r), cluster))
-    host_s = max(opt) + C.harness_time(gpus, cluster)
-    return StepCost(pipe, max(sync) + host_s, busy, max(mem), gpus, first, data)
+    return StepCost(pipe, end - pipe + C.harness_time(gpus, cluster), busy, max(mem), gpus, first, data)
+
+
+def _alone(host_s: float, cluster) -> float:
+    """A host cost priced with every process busy (bench.sim.costs), as the work of one process
+    on its own core: on shared cores the schedule's processor sharing slows it instead."""
+    return host_s / cluster.host_slowdown if cluster.shared_cores else host_s
