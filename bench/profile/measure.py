@@ -56,24 +56,36 @@ def _build(name, w, pg, dtype, device, seed, tp=1):
     return module, model, config
 
 
-def load_microbatches(w, cfg_seed: int, mbs: int, count: int, data_root: Path, num_samples: int):
+def load_microbatches(w, cfg_seed: int, mbs: int, count: int, data_root: Path, num_samples: int,
+                      min_seconds: float = 0.0):
+    """`count` collated microbatches of the dataset's first samples, with each sample's load
+    seconds and each microbatch's collate seconds: medians over passes repeated for at least
+    `min_seconds` (one pass at least). One pass takes a fraction of a second and so falls in one
+    fast or slow stretch of a shared machine (tiny's mean load: 1.0 ms in one profile, 2.8 ms in
+    the next); the median over passes is its typical speed, as for the modules (time_modules)."""
     from workloads.dataset import ensure_dataset
     from workloads.loader import DatasetReader, collate
     path = ensure_dataset(w, data_root, num_samples, cfg_seed)
     reader = DatasetReader(path, w, cfg_seed)
     reader.load_sample(0)                          # opens and indexes the shard (once per process)
     ids = list(range(min(count * mbs, len(reader))))
-    load_times, samples = [], []
-    for i in ids:
-        t0 = time.perf_counter()
-        samples.append(reader.load_sample(i))
-        load_times.append(time.perf_counter() - t0)
-    groups = [samples[k:k + mbs] for k in range(0, len(samples) - mbs + 1, mbs)]
-    collate_times, mbs_out = [], []
-    for g in groups:
-        t0 = time.perf_counter()
-        mbs_out.append(collate(g, w, cfg_seed))
-        collate_times.append(time.perf_counter() - t0)
+    loads, collates = [[] for _ in ids], []
+    started = time.perf_counter()
+    while not collates or time.perf_counter() - started < min_seconds:
+        samples = []
+        for i in ids:
+            t0 = time.perf_counter()
+            samples.append(reader.load_sample(i))
+            loads[i].append(time.perf_counter() - t0)
+        groups = [samples[k:k + mbs] for k in range(0, len(samples) - mbs + 1, mbs)]
+        mbs_out, times = [], []
+        for g in groups:
+            t0 = time.perf_counter()
+            mbs_out.append(collate(g, w, cfg_seed))
+            times.append(time.perf_counter() - t0)
+        collates.append(times)
+    load_times = [statistics.median(t) for t in loads]
+    collate_times = [statistics.median(t) for t in zip(*collates)]
     metas = [reader.sample_meta(i) for i in ids]
     reader.close()
     return mbs_out, metas, load_times, collate_times, path
