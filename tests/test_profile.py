@@ -127,6 +127,26 @@ def test_a_module_whose_flops_explain_nothing_keeps_the_peak_rate_and_its_overhe
     assert np.allclose(pred, t[1:], rtol=0.25) and m["fit_r2"] > 0.8
 
 
+def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():
+    from bench.profile.tp import corun_slowdowns
+    # 2 cores: rank 0 alone, ranks 0-1 together, ranks 0-3 two per core; round 2 is a slow stretch
+    # for everything (x1.5): its ratios are still 1.1 and 1.3, so is the result
+    alone = [1.0, 1.5, 1.0]
+    raw = [{"alone": alone if r == 0 else [], "together": [1.1, 1.65, 1.1] if r < 2 else [],
+            "oversubscribed": [1.3, 1.95, 1.3]} for r in range(4)]
+    c = corun_slowdowns(raw, 2)
+    assert c["slowdown"] == pytest.approx(1.1) and c["oversubscribed"]["slowdown"] == pytest.approx(1.3)
+    assert c["alone_seconds"] == 1.0 and c["processes"] == 2 and c["oversubscribed"]["processes"] == 4
+    # round 1 together caught in a slow stretch, round 3 all of it: the rounds' own ratios (1.5,
+    # 1.1, 1.1) outvote it, where the medians' ratio would read 1.5 / 1.0
+    raw[0]["alone"] = [1.0, 1.0, 1.5]
+    for r in raw[:2]:
+        r["together"] = [1.5, 1.1, 1.65]
+    assert corun_slowdowns(raw, 2)["slowdown"] == pytest.approx(1.1)
+    raw[0]["alone"] = [2.0, 2.0, 2.0]                   # below 1 is noise
+    assert corun_slowdowns(raw, 2)["slowdown"] == 1.0
+
+
 @pytest.mark.multiprocess
 def test_gloo_comm_measurement():
     from bench.profile.profiler import measure_comm

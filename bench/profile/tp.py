@@ -34,6 +34,10 @@ from workloads.presets import MODULES
 
 TP = 2
 MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs use few processes)
+# Rounds of (alone, together, oversubscribed): with two, one slow stretch moved the slowdown of
+# small from 1.03 to 1.23 between profiles an hour apart (while "two per core" read 1.06, below
+# "one per core": noise); the median of three rounds' own ratios outvotes one such stretch.
+CORUN_ROUNDS = 3
 
 
 def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: str | None, seed: int,
@@ -100,8 +104,8 @@ class _ThreadTimer(Timer):
 def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile: str | None, seed: int,
                   microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
     """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then
-    `procs` copies at once (one per core), then all 2 x procs (two per core), twice over, seconds
-    apart, so the machine's drift stays out of the ratios. Each pass records the CPU seconds of
+    `procs` copies at once (one per core), then all 2 x procs (two per core), CORUN_ROUNDS times
+    over, seconds apart, so the machine's drift stays out of each round's ratios. Each pass records the CPU seconds of
     its thread: with two processes per core, wall time would also count the turns a process
     waits for its core, which the simulator's processor sharing already gives. Each process is
     its own world of 1; the store only orders the phases."""
@@ -126,7 +130,7 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
         w = get_workload(workload, data_profile)
         mbs = w.micro_batch_size
         batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
-        for i, phase in enumerate(list(runs) * 2):
+        for i, phase in enumerate(list(runs) * CORUN_ROUNDS):
             barrier(f"phase{i}")
             if rank >= runs[phase]:
                 continue
@@ -138,12 +142,28 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
         dist.destroy_process_group()
 
 
+def corun_slowdowns(raw: list[dict], procs: int) -> dict:
+    """Each rank's {"alone", "together", "oversubscribed": seconds per round} (only rank 0 runs
+    alone) -> seconds (medians) and slowdowns: the median over the rounds of the round's median
+    over the ranks / the same round's alone, at least 1 (below is noise)."""
+    alone = raw[0]["alone"]
+
+    def slowdown(phase: str) -> tuple[float, float]:
+        rounds = [statistics.median([r[phase][i] for r in raw if len(r[phase]) > i]) for i in range(len(alone))]
+        ratios = [t / a for t, a in zip(rounds, alone) if a > 0] or [1.0]
+        return statistics.median([t for r in raw for t in r[phase]]), max(1.0, statistics.median(ratios))
+    together, over = slowdown("together"), slowdown("oversubscribed")
+    return {"processes": procs, "seconds": together[0], "alone_seconds": statistics.median(alone),
+            "slowdown": together[1],
+            "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]}}
+
+
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
                   data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "oversubscribed": {"processes", "seconds",
     "slowdown"}, "method"}: CPU seconds of one pass of the TP-1 module timing with `processes` (= the
     cores, at most MAX_CORUN) copies at once, and with twice as many, against one copy alone,
-    alternated twice (_corun_worker); slowdown = median together / median alone, at least 1."""
+    in CORUN_ROUNDS rounds (_corun_worker); slowdown: corun_slowdowns."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "corun.json"
@@ -151,15 +171,8 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                                       num_samples), out, "side-by-side module timing", nprocs=2 * procs,
                      timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
-    alone = statistics.median(raw[0]["alone"])
-
-    def slowdown(phase: str) -> tuple[float, float]:
-        seconds = statistics.median(t for r in raw for t in r[phase])
-        return seconds, max(1.0, seconds / alone) if alone > 0 else 1.0
-    together, over = slowdown("together"), slowdown("oversubscribed")
-    return {"processes": procs, "seconds": together[0], "alone_seconds": alone, "slowdown": together[1],
-            "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]},
+    return {**corun_slowdowns(raw, procs),
             "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass of the TP-1 module "
                        f"timing, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} "
-                       f"(two per core), one thread each, alternated twice seconds apart; median together / "
-                       f"median alone; below 1 (noise) counts as 1")}
+                       f"(two per core), one thread each, {CORUN_ROUNDS} rounds seconds apart; the median over the "
+                       f"rounds of each round's together / alone; below 1 (noise) counts as 1")}
