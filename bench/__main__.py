@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--launcher", default="local", metavar="local|slurm",
                        help="local (default): one run after another on this machine; slurm: each run a SLURM "
                             "job through submitit (settings: the file's [slurm] table, --slurm-* flags)")
+    sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
+                       help="launch at most N runs not yet recorded, then stop (rerun to resume with the rest)")
     _add_slurm_flags(sweep)
     _add_common(sweep)
     for name, module in _extra_commands():
@@ -101,7 +103,7 @@ def _dispatch(args) -> int:
     if args.command == "sweep":
         from bench.run.sweep import run_sweep
         return run_sweep(args.file, results, args.wandb_mode, dry_run=args.dry_run, launcher=args.launcher,
-                         slurm_flags={k: getattr(args, f"slurm_{k}") for k in SLURM_FLAGS})
+                         slurm_flags={k: getattr(args, f"slurm_{k}") for k in SLURM_FLAGS}, max_runs=args.max_runs)
     return args.handler(args, results)
 
 

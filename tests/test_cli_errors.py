@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.records import read_records
+
 pytestmark = pytest.mark.multiprocess          # every test runs `python -m bench run` in a subprocess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,8 +70,11 @@ def test_sweep_finishes_after_a_failure_summarizes_and_exits_nonzero(tmp_path):
                      '[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 2\nsets = { seed = [1, 2] }\n')
     results = tmp_path / "r.jsonl"
     env = {**__import__("os").environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    args = [sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)]
+    part = subprocess.run(args + ["--max-runs", "1"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert part.returncode == 1 and "[sweep] 2/2" not in part.stdout, part.stdout + part.stderr
+    assert "[sweep] stopped after 1 launches" in part.stdout and len(read_records(results)) == 1
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "[sweep] 2/2" in proc.stdout                          # the second run ran after the first failed
     assert proc.stdout.count("[sweep] not ok: megatron tiny") == 2

@@ -133,6 +133,7 @@ tags = { case = "b" }
     (["--launcher", "slurm", "--slurm-executor", "kubernetes"], "choose slurm or local"),
     (["--launcher", "slurm"], "sbatch is not on PATH"),
     (["--launcher", "slurm", "--slurm-executor", "local", "--slurm-gpus-per-node", "0"], ">= 1"),
+    (["--max-runs", "0"], "--max-runs 0: give a positive count"),
 ])
 def test_bad_input_is_one_line_before_anything_is_submitted(tmp_path, capsys, monkeypatch, args, message):
     from bench.__main__ import main

@@ -135,8 +135,9 @@ LAUNCHERS = ("local", "slurm")
 
 
 def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run: bool = False,
-              launcher: str = "local", slurm_flags: dict | None = None) -> int:
-    """Simulations first, then the measured runs in interleaved order; dry_run: print the order only.
+              launcher: str = "local", slurm_flags: dict | None = None, max_runs: int | None = None) -> int:
+    """Simulations first, then the measured runs in interleaved order; dry_run: print the order only;
+    max_runs: stop after launching that many (a rerun resumes with the rest).
     launcher "slurm": each run not yet recorded becomes a SLURM job (bench.run.slurm), its settings
     from the file's [slurm] table and `slurm_flags` (the --slurm-* flags given)."""
     if launcher not in LAUNCHERS:
@@ -144,6 +145,8 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
     given = sorted(k for k, v in (slurm_flags or {}).items() if v is not None)
     if launcher == "local" and given:
         raise ConfigError(f"--slurm-{given[0].replace('_', '-')} is for --launcher slurm")
+    if max_runs is not None and (max_runs < 1 or launcher != "local"):
+        raise ConfigError(f"--max-runs {max_runs}: give a positive count, with the local launcher")
     try:
         spec = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -166,11 +169,16 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
     order = interleaved(planned)
     if cluster is not None:
         return _sweep_on_slurm(order, done, cluster, results, wandb_mode, dry_run)
-    failures = []
+    failures, launched = [], 0
     for what, cfg, layout, repeat in _not_recorded(order, done):
+        if not dry_run and launched == max_runs:
+            print(f"[sweep] stopped after {launched} launches (--max-runs); rerun the same command to resume",
+                  flush=True)
+            return _summary(launched, failures, "stopped")
         print(what + (" (dry run)" if dry_run else ""), flush=True)
         if dry_run:
             continue
+        launched += 1
         try:
             record = runner.run(cfg, layout, results, wandb_mode, quiet=True, repeat=repeat)
         except KeyboardInterrupt:
@@ -193,8 +201,8 @@ def _not_recorded(order: list[tuple], done: dict[str, int]):
         yield what, cfg, layout, repeat
 
 
-def _summary(runs: int, failures: list[str]) -> int:
-    print(f"[sweep] done: {runs} runs, {len(failures)} not ok", flush=True)
+def _summary(runs: int, failures: list[str], state: str = "done") -> int:
+    print(f"[sweep] {state}: {runs} runs, {len(failures)} not ok", flush=True)
     for line in failures:
         print(f"[sweep] not ok: {line}", flush=True)
     return 1 if failures else 0
