@@ -73,7 +73,8 @@ def test_sweep_finishes_after_a_failure_summarizes_and_exits_nonzero(tmp_path):
     args = [sys.executable, "-m", "bench", "sweep", str(sweep), "--results", str(results)]
     part = subprocess.run(args + ["--max-runs", "1"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert part.returncode == 1 and "[sweep] 2/2" not in part.stdout, part.stdout + part.stderr
-    assert "[sweep] stopped after 1 launches" in part.stdout and len(read_records(results)) == 1
+    assert "[sweep] stopped after --max-runs (rerun the same command to resume): 1 runs, 1 not ok" in part.stdout
+    assert len(read_records(results)) == 1
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "[sweep] 2/2" in proc.stdout                          # the second run ran after the first failed

@@ -506,7 +506,7 @@ def test_shared_cores_schedule():
         assert shared_1f1b([Chain(f, b, links)], cores=64)[0] == pytest.approx(one_f_one_b(f, b, links).iteration_time)
     one = lambda x: Chain(np.array([[x / 3]]), np.array([[2 * x / 3]]))
     assert shared_1f1b([one(3.0), one(3.0)], cores=1)[0] == pytest.approx(6.0)     # one core: the work adds up
-    t, ends = shared_1f1b([one(3.0), one(1.0), one(1.0)], cores=2)                # 3 on 2: 2/3 each until 1.5
+    t, ends, _ = shared_1f1b([one(3.0), one(1.0), one(1.0)], cores=2)             # 3 on 2: 2/3 each until 1.5
     assert ends[1] == pytest.approx(1.5) and t == pytest.approx(1.5 + 2.0)
 
 
@@ -525,9 +525,10 @@ def test_a_stage_tail_runs_after_its_own_last_backward_or_its_groups():
             pytest.approx(end), (tail, group, cores)
         if cores == 64:
             assert tail_ends((4.0, 3.0), tail, group).max() == pytest.approx(end)
-    # a tail keeping two processes busy on one core runs at half speed beside nothing else
-    assert shared_1f1b([Chain(f, b, tail=np.array([0.5, 0.0]), wt=np.array([2.0, 1.0]))], cores=1)[0] == \
-        pytest.approx(5.0)
+    # a tail keeping two processes busy on one core runs at half speed beside nothing else; the
+    # pipeline's flush (its last backward) is before it
+    end, _, (flush,) = shared_1f1b([Chain(f, b, tail=np.array([0.5, 0.0]), wt=np.array([2.0, 1.0]))], cores=1)
+    assert end == pytest.approx(5.0) and flush == pytest.approx(4.0)
 
 
 def test_shared_vs_uniform_oversubscription():

@@ -60,10 +60,9 @@ def data_costs(w, metas, load_times, collate_times) -> dict:
     return {"s_per_sample": float(coef[0]), "s_per_input_pixel": float(coef[1]),
             "s_per_output_pixel": float(coef[2]), "collate_s_per_microbatch": float(np.median(collate_times)),
             "mean_load_s_per_sample": float(np.mean(load_times)), "samples": len(load_times),
-            "method": "DatasetReader.load_sample timed per sample, median over passes (JPEG decode, resize, patchify, "
-                      "tokenize), "
-                      "fitted as a + b * sum(input resolution^2) + c * sum(output resolution^2); "
-                      "collate median per microbatch"}
+            "method": "DatasetReader.load_sample timed per sample (JPEG decode, resize, patchify, tokenize), "
+                      "median over passes, fitted as a + b * sum(input resolution^2) + c * sum(output "
+                      "resolution^2); collate median per microbatch"}
 
 
 def module_summary(name, rec, layers, peak) -> dict:

@@ -73,10 +73,10 @@ def load_microbatches(w, cfg_seed: int, mbs: int, count: int, data_root: Path, n
     started = time.perf_counter()
     while not collates or time.perf_counter() - started < min_seconds:
         samples = []
-        for i in ids:
+        for i, times in zip(ids, loads):
             t0 = time.perf_counter()
             samples.append(reader.load_sample(i))
-            loads[i].append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
         groups = [samples[k:k + mbs] for k in range(0, len(samples) - mbs + 1, mbs)]
         mbs_out, times = [], []
         for g in groups:

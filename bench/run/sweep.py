@@ -172,9 +172,7 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
     failures, launched = [], 0
     for what, cfg, layout, repeat in _not_recorded(order, done):
         if not dry_run and launched == max_runs:
-            print(f"[sweep] stopped after {launched} launches (--max-runs); rerun the same command to resume",
-                  flush=True)
-            return _summary(launched, failures, "stopped")
+            return _summary(launched, failures, "stopped after --max-runs (rerun the same command to resume)")
         print(what + (" (dry run)" if dry_run else ""), flush=True)
         if dry_run:
             continue

@@ -169,7 +169,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
     operation keeping w processes busy progresses, while the running operations keep D
     processes busy in all, at min(1, cores / D) / contention(D) of its full speed (processor
     sharing; a process waiting for a message uses no core). Transfers are delays that use no core.
-    Event-driven and exact for that fluid model. Returns (makespan, end time per chain).
+    Event-driven and exact for that fluid model. Returns (makespan, end time per chain, per chain
+    the end of its last forward or backward: its pipeline flush, before any Chain.tail).
     With enough cores (D <= cores always) it equals one_f_one_b on every chain.
     """
     eps = 1e-15
@@ -185,7 +186,7 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
         group = [-1] * S if ch.tail_group is None else list(ch.tail_group)
         ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S, "tail": tail, "wt": wt,
                     "group": group,
-                    "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0}
+                    "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0}
         st.append(ch_state)
     stages = [(c, s, stage_ops(s, ch["S"], ch["m"]) + ([(2, 0)] if ch["tail"][s] > 0 else []))
               for c, ch in enumerate(st) for s in range(ch["S"])]
@@ -250,11 +251,12 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
             _, _, kind, j = running.pop(i)
             if kind < 2:
                 (st[c]["f_end"] if kind == 0 else st[c]["b_end"])[s][j] = t
+                st[c]["flush"] = max(st[c]["flush"], t)
             st[c]["end"] = max(st[c]["end"], t)
             ptr[i] += 1
             done += 1
     ends = [ch["end"] for ch in st]
-    return (max(ends) if ends else 0.0), ends
+    return (max(ends) if ends else 0.0), ends, [ch["flush"] for ch in st]
 
 
 def order_microbatches(fwd, bwd, links, reorder: bool):

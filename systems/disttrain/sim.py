@@ -171,13 +171,11 @@ def simulate_step(layout, step, kit) -> StepCost:
                                 ranks[1 + s] if shared else None)
                        + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
     group = [-1] + [0] * pp + [-1]
-    pipe = res.iteration_time
-    end = float(schedule.tail_ends(res.stage_end, tail, group).max())
     if shared:                               # the module pipeline's ranks share the cores
-        pipe, end = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb)], shared, cluster.corun_slowdown,
-                                         cluster.oversubscribed_slowdown)[0], \
-            schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group)], shared,
-                                 cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
+        end, _, (pipe,) = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group)], shared,
+                                               cluster.corun_slowdown, cluster.oversubscribed_slowdown)
+    else:
+        pipe, end = res.iteration_time, float(schedule.tail_ends(res.stage_end, tail, group).max())
     gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]
     data = 0.0
     if rd is not None:
