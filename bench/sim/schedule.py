@@ -162,7 +162,7 @@ def contention(busy: float, cores: float, corun: float, oversubscribed: float | 
 
 
 def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
-                oversubscribed: float | None = None) -> tuple[float, list[float]]:
+                oversubscribed: float | None = None) -> tuple[float, list[float], list[float]]:
     """1F1B of several independent pipelines whose processes share `cores` CPU cores.
 
     Same operation order and dependencies as `one_f_one_b`, but durations are work: an
