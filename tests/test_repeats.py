@@ -4,12 +4,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from bench.config import config_key, resolve
 from bench.records import read_records
+from bench.run import machine
 from bench.run.sweep import interleaved, load_sweep
 from systems.base import ConfigError
 
@@ -72,3 +74,20 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
         m = r["metrics"]
         assert 0.0 <= m["outside_cpu_share"] and m["machine_cpus"] >= 1 and isinstance(m["busy_machine"], bool)
         assert {"imports", "setup", "steps"} <= set(m["launch_phases_s"]) and m["launch_wall_s"] > 0
+        if machine.thread_times() is not None:     # where each rank's step went (Linux schedstat)
+            for s in r["steps"]:
+                assert len(s["rank_cpu_s"]) == len(s["rank_runqueue_s"]) == 2
+                assert all(0 < c for c in s["rank_cpu_s"]) and all(0 <= q <= s["latency_s"] for q in s["rank_runqueue_s"])
+                assert len(s["rank_helper_runqueue_s"]) == 2
+            assert 0 < m["rank_cpu_share"] and 0 <= m["rank_runqueue_share"] < 1
+
+
+def test_thread_times_count_this_process_on_a_cpu():
+    before = machine.thread_times()
+    if before is None:
+        pytest.skip("this kernel reports no schedstat")
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:        # 50 ms on a CPU
+        pass
+    after = machine.thread_times()
+    assert after[0] - before[0] >= 0.045 and after[1] >= before[1] >= 0

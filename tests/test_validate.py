@@ -31,7 +31,7 @@ def synthetic_profile(workload: str = "tiny") -> dict:
 
 
 def measured_record(system: str, nproc: int, sets: dict, step_s: float, workload: str = "tiny",
-                    repeat: int = 1, outside: float | None = None) -> dict:
+                    repeat: int = 1, outside: float | None = None, ranks: tuple | None = None) -> dict:
     cfg, layout = resolve(system, workload, nproc, sets)
     steps = [{"step": s, "warmup": False, "latency_s": step_s, "loss": 1.0} for s in range(2, 5)]
     return build_record(run_id=new_run_id(), system=system, workload=workload, data_profile=cfg.data.profile,
@@ -39,7 +39,10 @@ def measured_record(system: str, nproc: int, sets: dict, step_s: float, workload
                         env={"device": "cpu", "hardware": {"cpu_count": 2}}, steps=steps,
                         metrics={"samples_per_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "mfu_per_module": {},
                                  "step_time_s": step_s,
-                                 **({} if outside is None else {"outside_cpu_share": outside})},
+                                 **({} if outside is None else {"outside_cpu_share": outside}),
+                                 **({} if ranks is None else dict(zip(("rank_cpu_share", "rank_runqueue_share",
+                                                                       "rank_helper_runqueue_share"),
+                                                                      ranks)))},
                         config_key=config_key(cfg), repeat=repeat)
 
 
@@ -74,7 +77,7 @@ def test_validation_appends_tagged_records_and_a_table(setup):
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
     assert ("| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-            "| within spread | other load % |") in text
+            "| within spread | other load % | ranks' CPU / runqueue % (training, helpers) |") in text
     assert text.count("\n| megatron") == 1 and text.count("\n| disttrain") == 2
     # idempotent: a second pass with the same profile appends nothing
     validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
@@ -96,7 +99,7 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
     profiles.mkdir()
     (profiles / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
     results = tmp_path / "runs.jsonl"
-    recs = [measured_record("megatron", 2, {}, t, repeat=i + 1, outside=0.01 * i)
+    recs = [measured_record("megatron", 2, {}, t, repeat=i + 1, outside=0.01 * i, ranks=(0.5 + 0.1 * i, 0.3 - 0.1 * i, 0.1))
             for i, t in enumerate((0.05, 0.04, 0.09))]
     with open(results, "w") as f:
         for r in recs:
@@ -108,6 +111,9 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
     assert row["within_spread"] == (0.04 <= row["simulated_s"] <= 0.09) and row["outside_cpu_share"] == 0.01
     text = md.read_text()
     assert f"{int(row['within_spread'])}/1 within the measured spread" in text and "| 3 | 0.05 | 0.04..0.09 (±50%)" in text
+    # the ranks' time on a CPU and waiting for one: medians over the repeats
+    assert row["rank_cpu_share"] == pytest.approx(0.6) and row["rank_runqueue_share"] == pytest.approx(0.2)
+    assert text.rstrip().count("| 60 / 20, 10 |") == 1
 
 
 def test_oversubscription_is_explicit(setup):

@@ -64,6 +64,36 @@ def outside_load(start: CpuSnapshot, end: CpuSnapshot) -> dict:
             "machine_cpus": end.cpus, "busy_machine": share >= BUSY_SHARE}
 
 
+def thread_times() -> tuple[float, float, float] | None:
+    """This process so far, from the kernel's schedstat (/proc/self/task/*/schedstat; None where
+    the kernel does not report it): (CPU seconds of all its threads, seconds its main thread was
+    runnable but waiting for a core, the same summed over its other threads). The other threads
+    matter: a gloo message reaches the training thread only after gloo's I/O thread has run, so
+    on a CPU with more busy processes than cores each message waits for a core twice. Over a
+    step, wall - the main thread's CPU and runqueue seconds = the time it slept: on a message, a
+    lock, I/O or a helper thread that was itself waiting for a core."""
+    main = str(os.getpid())
+    cpu = runqueue = helpers = 0.0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                fields = f.read().split()
+        except OSError:           # a thread that ended between listing and reading
+            continue
+        if len(fields) < 2:
+            return None
+        cpu += int(fields[0]) / 1e9
+        if task == main:
+            runqueue = int(fields[1]) / 1e9
+        else:
+            helpers += int(fields[1]) / 1e9
+    return cpu, runqueue, helpers
+
+
 class Phases:
     """Seconds spent in each phase of a process, the first counted from the process's start
     (interpreter start-up and imports included), each later one from the previous mark."""

@@ -58,6 +58,14 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
         metrics["launch_phases_s"] = raw["launch_phases_s"]
     if raw.get("launch_wall_s"):      # torchrun start to exit, as the runner saw it
         metrics["launch_wall_s"] = raw["launch_wall_s"]
+    if all("rank_cpu_s" in s for s in measured):
+        # Shares of the ranks' step time (bench.run.machine.thread_times): CPU seconds (all
+        # threads), and the training thread runnable but waiting for a core (more runnable
+        # threads than cores); the training thread slept for the rest (messages, data).
+        rank_time = ranks * sum(latencies)
+        metrics["rank_cpu_share"] = sum(sum(s["rank_cpu_s"]) for s in measured) / rank_time
+        metrics["rank_runqueue_share"] = sum(sum(s["rank_runqueue_s"]) for s in measured) / rank_time
+        metrics["rank_helper_runqueue_share"] = sum(sum(s["rank_helper_runqueue_s"]) for s in measured) / rank_time
     if any(busy):
         # Idle (bubble) share of rank-time: what ranks did not spend computing.
         metrics["bubble_fraction"] = 1 - sum(busy) / (ranks * sum(latencies))

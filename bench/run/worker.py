@@ -105,10 +105,15 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         dist.barrier()
         wait_before = source.wait_s
         start = time.perf_counter()
+        sched_before = machine.thread_times()
         result = adapter.train_step(step)
         _sync(device)
         dist.barrier()
         latency = time.perf_counter() - start
+        sched_after = machine.thread_times()
+        # -1: not reported by this kernel
+        sched = ([max(0.0, a - b) for a, b in zip(sched_after, sched_before)]
+                 if sched_before and sched_after else [-1.0] * 3)
         local = [result.loss_sum, result.lm_loss_sum, result.gen_loss_sum]
         losses = torch.tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(losses)
@@ -116,8 +121,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         # Per-rank busy and data-wait times and loss sums, gathered as plain tensors.
         grad_norm = -1.0 if result.grad_norm is None else result.grad_norm       # -1: not given
         busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum,
-                                                                     grad_norm]
-        gathered = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(world)]
+                                                                     grad_norm, *sched]
+        gathered = [torch.zeros(len(busy), dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
         if rank == 0:
             per_rank = [g.tolist() for g in gathered]
@@ -128,6 +133,12 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
                 "rank_busy_s": [sum(r[:3]) for r in per_rank],
                 "module_busy_s": {m: max(r[i] for r in per_rank) for i, m in enumerate(MODULES)},
             }
+            if all(r[6] >= 0 for r in per_rank):
+                # where each rank's step went (bench.run.machine.thread_times): CPU seconds, and
+                # seconds its training thread and its helper threads waited for a core
+                entry["rank_cpu_s"] = [r[6] for r in per_rank]
+                entry["rank_runqueue_s"] = [r[7] for r in per_rank]
+                entry["rank_helper_runqueue_s"] = [r[8] for r in per_rank]
             norms = [r[5] for r in per_rank if r[5] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)

@@ -162,6 +162,8 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
         shares = [m["metrics"].get("outside_cpu_share") for m, _ in group]
         shares = [x for x in shares if x is not None]
         meas = group[0][0]
+        ranks = {k: [m["metrics"][k] for m, _ in group if m["metrics"].get(k) is not None]
+                 for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share")}
         rows.append({"system": meas["system"], "workload": meas["workload"],
                      "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
@@ -170,7 +172,8 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
                      "simulated_low_s": sim_low, "simulated_high_s": sim_high, "profiles": len(by_profile[0]),
                      "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
-                     "outside_cpu_share": statistics.median(shares) if shares else None})
+                     "outside_cpu_share": statistics.median(shares) if shares else None,
+                     **{k: statistics.median(v) if v else None for k, v in ranks.items()}})
     return rows
 
 
@@ -181,12 +184,16 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "Measured CPU configurations against the simulator on a CPU cluster built from this machine's "
              "profile (`python -m bench validate`). Error = (simulated - median of the repeats) / median; "
              "spread = the repeats' range (min..max, ± half of it relative to the median); other load = the "
-             "median share of the machine's CPU that processes outside the run used while it measured; with "
-             "several profiles, simulated = the median over them (their range in brackets).", ""]
+             "median share of the machine's CPU that processes outside the run used while it measured; ranks' CPU / "
+             "runqueue = the median over repeats of the shares of the ranks' step time on a CPU (all threads) and "
+             "with the training thread, then gloo's and other helper threads, runnable but waiting for a core (the "
+             "kernel's schedstat); "
+             "with several profiles, simulated = the median over them (their range in brackets).", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-              "| within spread | other load % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| within spread | other load % | ranks' CPU / runqueue % (training, helpers) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         extra = (" (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else "") + \
             (f" (reorder: {r['reorder']})" if r.get("reorder", "none") != "none" else "")
@@ -194,7 +201,7 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | {r['repeats']} | "
                      f"{r['measured_s']:.4g} | {r['measured_low_s']:.4g}..{r['measured_high_s']:.4g} "
                      f"(±{r['spread_pct']:.0f}%) | {r['simulated_s']:.4g}{_range(r)} | {r['error_pct']:+.1f} | "
-                     f"{'yes' if r['within_spread'] else 'no'} | {share} |")
+                     f"{'yes' if r['within_spread'] else 'no'} | {share} | {_rank_shares(r)} |")
 
     def stats(rs, what):
         errs = [abs(r["error_pct"]) for r in rs]
@@ -211,6 +218,11 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
     else:
         lines += ["", "No measured CPU run to validate against."]
     return "\n".join(lines) + "\n"
+
+
+def _rank_shares(row: dict) -> str:
+    shares = [row.get(k) for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share")]
+    return "?" if None in shares else "{:.0f} / {:.0f}, {:.0f}".format(*(100 * x for x in shares))
 
 
 def _range(row: dict) -> str:
