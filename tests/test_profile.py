@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,22 @@ def test_bridge_communicator_transfer_is_measured():
     b = measure_bridge(w.backbone.seq_length, w.micro_batch_size, w.backbone.hidden_size, iters=10)
     assert b["bytes"] == w.backbone.seq_length * w.micro_batch_size * w.backbone.hidden_size * 4
     assert b["wall_s"] > 0 and 0 < b["cpu_s"] and "MultiModulePipelineCommunicator" in b["method"]
+    from bench.profile.handoff import measure_handoff     # the same transfers with every core busy
+    h = measure_handoff(w.backbone.seq_length, w.micro_batch_size, w.backbone.hidden_size, 2, iters=10,
+                        idle_bridge_s=b["wall_s"])
+    assert h["busy_processes"] == 2 and h["processes"] == 4 and h["bytes"] == b["bytes"]
+    assert h["bridge"]["idle_s"] == b["wall_s"] and h["p2p"]["idle_s"] > 0
+    for kind in ("bridge", "p2p"):
+        assert h[kind]["loaded_s"] > 0 and h[kind]["stall_s"] == max(0.0, h[kind]["loaded_s"] - h[kind]["idle_s"])
+
+
+@pytest.mark.multiprocess
+def test_busy_cores_keep_their_cores_busy():
+    import psutil
+    from bench.profile.handoff import busy_cores
+    with busy_cores(1) as (pid,):
+        spinner = psutil.Process(pid)
+        before = sum(spinner.cpu_times()[:2])
+        time.sleep(0.5)
+        assert sum(spinner.cpu_times()[:2]) - before > 0.2      # spinning, not asleep
+    assert not psutil.pid_exists(pid) or spinner.status() == psutil.STATUS_ZOMBIE   # and gone after the block

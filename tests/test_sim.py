@@ -355,6 +355,41 @@ def test_bridge_transfers_are_work_on_both_sides_of_each_module_boundary():
     assert with_bridge > without + 8 * 2 * 0.006 * 0.99      # at least the backbone's 8 x (fwd + bwd) transfers
 
 
+def test_a_stall_is_a_wait_that_leaves_the_core_to_others():
+    """Chain.stall: before each of its operations a stage sleeps, using no core. One core, chain A
+    (forward 1 s, backward 1 s, stall 1 s) beside chain B (the same, no stall): B's forward runs
+    alone while A sleeps (t 0-1), A's forward and B's backward share the core (t 1-3), A sleeps
+    again (t 3-4), A's backward runs alone (t 4-5)."""
+    from bench.sim.schedule import Chain, shared_1f1b
+    one = np.ones((1, 1))
+    end, ends, _ = shared_1f1b([Chain(one, one, stall=np.array([1.0])), Chain(one, one)], cores=1)
+    assert ends == pytest.approx([5.0, 3.0]) and end == pytest.approx(5.0)
+    assert shared_1f1b([Chain(one, one, stall=np.array([1.0]))], cores=1)[0] == pytest.approx(4.0)   # alone
+
+
+def test_transfers_stall_only_on_processes_that_outnumber_the_cores():
+    """Cluster.handoff_stall: the measured stall (bench.profile.handoff) at two busy processes per
+    core, none at one per core, linear in between; DistTrain charges it per bridge transfer on
+    both sides (fan-in enc:1x2 -> llm:1x1x1 -> gen:1x1: 3 on the backbone's ops, 1 elsewhere)."""
+    from bench.sim.cluster import cluster_from_profile
+    from systems.disttrain.sim import _stalls
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["comm"] = {**prof["comm"], "handoff": {"bridge": {"idle_s": 0.001, "loaded_s": 0.003, "stall_s": 0.002},
+                                                "p2p": {"idle_s": 1e-4, "loaded_s": 6e-4, "stall_s": 5e-4}}}
+    at = {n: cluster_from_profile(prof, processes=n, cores=2) for n in (2, 3, 4, 6)}
+    assert [at[n].handoff_stall("bridge") for n in (2, 3, 4, 6)] == pytest.approx([0.0, 0.001, 0.002, 0.002])
+    assert cluster_from_profile(synthetic_profile(), processes=4, cores=2).handoff_stall("bridge") == 0.0
+    assert list(_stalls(at[4], {"dp": 2}, {"dp": 1}, 1, 1, 3)) == pytest.approx([0.002, 0.006, 0.002])
+    # a 2-stage backbone adds one send/recv to each of its stages' operations
+    assert list(_stalls(at[4], {"dp": 1}, {"dp": 1}, 1, 2, 4)) == pytest.approx([0.002, 0.0025, 0.0025, 0.002])
+    kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
+    lay = {"plan": "enc:1x2,llm:1x1x1,gen:1x1"}
+    plain = cluster_from_profile(synthetic_profile(), processes=4, cores=2)
+    stalled = simulate("tiny", "disttrain", lay, 4, at[4], **kw)["iteration_time_s"]
+    assert stalled > simulate("tiny", "disttrain", lay, 4, plain, **kw)["iteration_time_s"]
+
+
 def test_runtime_data_order_and_dataset_steps():
     cl = _cpu_cluster(processes=2)
     kw = dict(global_batch_size=8, micro_batch_size=2, seed=1234, num_samples=64)

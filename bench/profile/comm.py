@@ -68,6 +68,15 @@ def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, ti
     return json.loads(out.read_text()) if out.exists() else None
 
 
+def measure_p2p_one_way(nbytes: int, iters: int, timeout: float = 60.0) -> float:
+    """Median one-way seconds of a gloo send/recv of `nbytes` between 2 local processes (ping-pong)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = run_processes(_comm_worker, ([nbytes], iters), Path(tmp) / "p2p.json", "gloo send/recv measurement",
+                            timeout=timeout)
+    return float(raw["p2p"][0][1])
+
+
 def measure_comm(iters: int = 25, sizes=COMM_SIZES, timeout: float = 60.0) -> dict:
     """gloo between 2 local processes: p2p one-way latency/bandwidth, 2-rank all-reduce."""
     import tempfile

@@ -23,7 +23,9 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
     a + b x input-image pixels + c x output-image pixels, and collating a microbatch;
   * communication (CPU, unless --no-comm): gloo point-to-point ping-pong and all-reduce
     between 2 local processes, fitted as latency + bytes / bandwidth; one activation through
-    megatron-core's bridge communicator (bench.profile.bridge); the DP collectives with
+    megatron-core's bridge communicator (bench.profile.bridge); that activation's bridge and
+    send/recv transfer on idle cores and with two busy processes per core (bench.profile.handoff:
+    the stall a message costs on an oversubscribed CPU); the DP collectives with
     --dp-processes processes in DP groups of each size at once (bench.profile.dp_groups); and,
     with as many processes, what a system adapter measures of its own step
     (SystemAdapter.profile_host: DeepSpeed's gradient flush and engine.step());
@@ -57,6 +59,7 @@ from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile
                                  load_profile, versions, write_profile)
 from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
 from bench.profile.gemm import gemm_table
+from bench.profile.handoff import measure_handoff
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
 from bench.profile.tp import TP, measure_corun, measure_tp
 from workloads.presets import MODULES
@@ -161,6 +164,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         except (RuntimeError, OSError) as e:
             log(f"[profile]   communication not measured: {e}")
         comm_result = _measure_bridge(w, comm_result, log=log)
+        comm_result = _measure_handoff(w, comm_result, log=log)
         if dp_processes > 2:
             if comm_result and "reduce_scatter" in comm_result:     # the simulator extends the 2-process fit
                 comm_result = _measure_dp_groups(dp_processes, comm_result, log=log)
@@ -223,6 +227,22 @@ def _measure_bridge(w, comm_result: dict | None, *, log) -> dict | None:
     log(f"[profile]   bridge transfer of {bridge['bytes'] / 2**10:.0f} KiB: {bridge['wall_s'] * 1e3:.2f} ms, "
         f"{bridge['cpu_s'] * 1e3:.2f} ms CPU on each side")
     return {**(comm_result or {}), "bridge": bridge}
+
+
+def _measure_handoff(w, comm_result: dict | None, *, log) -> dict | None:
+    """Adds "handoff" (bench.profile.handoff: a microbatch's activation between two processes on
+    idle cores and with every core busy) to the gloo measurements."""
+    cores = os.cpu_count() or 1
+    try:
+        idle = ((comm_result or {}).get("bridge") or {}).get("wall_s")      # measured just before
+        handoff = measure_handoff(w.backbone.seq_length, w.micro_batch_size, w.backbone.hidden_size, cores,
+                                  idle_bridge_s=idle)
+    except (RuntimeError, OSError) as e:
+        log(f"[profile]   transfers on busy cores not measured: {e}")
+        return comm_result
+    log(f"[profile]   one transfer with {handoff['processes']} busy processes on {cores} cores: " + ", ".join(
+        f"{k} {handoff[k]['loaded_s'] * 1e3:.2f} ms (idle {handoff[k]['idle_s'] * 1e3:.2f})" for k in ("bridge", "p2p")))
+    return {**(comm_result or {}), "handoff": handoff}
 
 
 def _measure_dp_groups(processes: int, comm_result: dict, *, log) -> dict:

@@ -107,6 +107,10 @@ class Cluster:
     # modules (a CPU profile's "comm" "bridge": {"wall_s", "cpu_s"}, bench/profile/bridge.py), or
     # None; DistTrain's disaggregated simulation charges it at the module boundaries.
     bridge: dict | None = None
+    # Measured wall time of one transfer between two processes on idle cores and with two busy
+    # processes per core (a CPU profile's "comm" "handoff": {"bridge"|"p2p": {"idle_s", "loaded_s",
+    # "stall_s"}}, bench/profile/handoff.py), or None; see handoff_stall.
+    handoff: dict | None = None
     # Measured slowdown of a process when every core runs one (shared caches and memory bandwidth;
     # a CPU profile's "corun", bench/profile/tp.py); bench.sim.schedule.contention interpolates it.
     corun_slowdown: float = 1.0
@@ -151,6 +155,17 @@ class Cluster:
         if spans_nodes:
             return self.inter_node_bw, self.inter_node_latency
         return self.intra_node_bw, self.intra_node_latency
+
+    def handoff_stall(self, kind: str) -> float:
+        """Seconds one blocking transfer of `kind` ("bridge": megatron-core's bridge communicator,
+        "p2p": a gloo send/recv) keeps each of its two ranks asleep beyond its idle cost, on this
+        cluster's shared cores: the measured stall (bench.profile.handoff) with two busy processes
+        per core or more, none with one per core or fewer, linear in between (an interpolation of
+        ours, as in schedule.contention); 0 on devices of their own or without the measurement."""
+        if not self.shared_cores or not self.handoff or kind not in self.handoff:
+            return 0.0
+        over = (float(self.host.get("processes", 1)) - self.shared_cores) / self.shared_cores
+        return min(1.0, max(0.0, over)) * float(self.handoff[kind]["stall_s"])
 
     def with_efficiency(self, efficiency: dict, source: str) -> "Cluster":
         """A copy whose per-module efficiency comes from a profile (e.g. measured on one GPU)."""
@@ -316,7 +331,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
         oversubscribed_slowdown=_oversubscribed(profile),
         tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
-        bridge=comm.get("bridge"),
+        bridge=comm.get("bridge"), handoff=comm.get("handoff"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": _dp_collectives(comm), "processes": procs, "systems": profile.get("systems") or {},
               "source": where})

@@ -124,7 +124,10 @@ class Chain:
     its own last backward (a disaggregated module's gradient sync and optimizer step, which need
     not wait for the other stages); stages of one `tail_group` id (>= 0) start their tails
     together, once all of them are done (a module's pipeline stages meet at its optimizer's
-    gradient-norm all-reduce)."""
+    gradient-norm all-reduce). `stall` ([S] seconds, or None): how long each stage sleeps between
+    two of its own operations, on the blocking transfers around them, beyond what `links` and the
+    operations hold (on an oversubscribed CPU, its and its peers' threads waiting for a core:
+    bench.sim.cluster.Cluster.handoff_stall); it uses no core."""
     fwd: np.ndarray
     bwd: np.ndarray
     links: list | None = None
@@ -133,6 +136,7 @@ class Chain:
     tail: np.ndarray | None = None
     wt: np.ndarray | None = None
     tail_group: list | None = None
+    stall: np.ndarray | None = None
 
 
 def tail_ends(clock, tail, tail_group=None) -> np.ndarray:
@@ -168,7 +172,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
     Same operation order and dependencies as `one_f_one_b`, but durations are work: an
     operation keeping w processes busy progresses, while the running operations keep D
     processes busy in all, at min(1, cores / D) / contention(D) of its full speed (processor
-    sharing; a process waiting for a message uses no core). Transfers are delays that use no core.
+    sharing; a process waiting for a message uses no core). Transfers are delays that use no core, and so is
+    a stage's Chain.stall before each of its forwards and backwards.
     Event-driven and exact for that fluid model. Returns (makespan, end time per chain, per chain
     the end of its last forward or backward: its pipeline flush, before any Chain.tail).
     With enough cores (D <= cores always) it equals one_f_one_b on every chain.
@@ -184,8 +189,9 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
         tail = np.zeros(S) if ch.tail is None else np.asarray(ch.tail, dtype=np.float64)
         wt = np.ones(S) if ch.wt is None else np.asarray(ch.wt, dtype=np.float64)
         group = [-1] * S if ch.tail_group is None else list(ch.tail_group)
+        stall = np.zeros(S) if ch.stall is None else np.asarray(ch.stall, dtype=np.float64)
         ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S, "tail": tail, "wt": wt,
-                    "group": group,
+                    "group": group, "stall": stall,
                     "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0}
         st.append(ch_state)
     stages = [(c, s, stage_ops(s, ch["S"], ch["m"]) + ([(2, 0)] if ch["tail"][s] > 0 else []))
@@ -222,7 +228,7 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 else:
                     ready = ch["b_end"][s + 1][j] + ch["link"][s]
             prev = max(ch["f_end"][s].max(), ch["b_end"][s].max(), 0.0)    # the stage's own last op
-            ready = max(ready, prev)
+            ready = max(ready, prev + (ch["stall"][s] if kind < 2 else 0.0))
             if ready <= t + eps:
                 if kind == 2:
                     work, weight = ch["tail"][s], ch["wt"][s]

@@ -70,12 +70,27 @@ def _bridge_work(cluster, E, G, dp: int, pp: int, S: int):
     b = cluster.bridge
     if not b:
         return None
+    return _bridge_transfers(E, G, dp, pp, S) * float(b["cpu_s"]), max(0.0, float(b["wall_s"]) - 2 * float(b["cpu_s"]))
+
+
+def _bridge_transfers(E, G, dp: int, pp: int, S: int) -> np.ndarray:
+    """Per column: bridge transfers a rank makes per forward (and per backward, the other way)."""
     n = np.zeros(S)
     n[0] += max(1, dp // E["dp"])            # an encoder replica feeds dp / E_dp backbone replicas
     n[1] += max(1, E["dp"] // dp)            # the first backbone stage hears from E_dp / dp of them
     n[pp] += max(1, G["dp"] // dp)           # the last backbone stage (column pp) feeds the generator
     n[S - 1] += max(1, dp // G["dp"])
-    return n * float(b["cpu_s"]), max(0.0, float(b["wall_s"]) - 2 * float(b["cpu_s"]))
+    return n
+
+
+def _stalls(cluster, E, G, dp: int, pp: int, S: int) -> np.ndarray:
+    """Per column: seconds a rank sleeps per forward or backward on its blocking transfers beyond
+    their idle cost (Cluster.handoff_stall: 0 unless processes outnumber the shared cores): the
+    bridge transfers at the module boundaries, send/recv between backbone stages."""
+    p2p = np.zeros(S)
+    p2p[1:pp + 1] = [(s > 0) + (s < pp - 1) for s in range(pp)]
+    return (_bridge_transfers(E, G, dp, pp, S) * cluster.handoff_stall("bridge")
+            + p2p * cluster.handoff_stall("p2p"))
 
 
 def simulate_step(layout, step, kit) -> StepCost:
@@ -172,8 +187,9 @@ def simulate_step(layout, step, kit) -> StepCost:
                        + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
     group = [-1] + [0] * pp + [-1]
     if shared:                               # the module pipeline's ranks share the cores
-        end, _, (pipe,) = schedule.shared_1f1b([schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group)], shared,
-                                               cluster.corun_slowdown, cluster.oversubscribed_slowdown)
+        chain = schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group, _stalls(cluster, E, G, dp, pp, S))
+        end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.corun_slowdown,
+                                               cluster.oversubscribed_slowdown)
     else:
         pipe, end = res.iteration_time, float(schedule.tail_ends(res.stage_end, tail, group).max())
     gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]

@@ -79,8 +79,11 @@ def simulate_step(layout, step, kit) -> StepCost:
         pipe, busy = max(pipe, res.iteration_time), busy + mp * float(fwd.sum() + bwd.sum())
         hide_f, hide_b = np.minimum(hide_f, dev_f[0]), np.minimum(hide_b, dev_b[-1])
         # Shared cores price a device's chunks as one plain-1F1B stage (no interleaved order there).
+        # each stage sleeps on its send/recv to each neighbour beyond their idle cost (0 unless
+        # the processes outnumber the shared cores: Cluster.handoff_stall)
+        stall = np.array([(s > 0) + (s < pp - 1) for s in range(pp)]) * cluster.handoff_stall("p2p")
         chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], _cores(mp, cpu_f, dev_f, pp),
-                                     _cores(mp, cpu_b, dev_b, pp)))
+                                     _cores(mp, cpu_b, dev_b, pp), stall=stall))
         max_etok = max(max_etok, max(etok[m].sum() for m in mbl))
         max_gtok = max(max_gtok, max(gtok[m].sum() for m in mbl))
         first = first or [[float(enc[m].sum()), len(m) * C.backbone_stage(w, 1, 0)[0], float(gen[m].sum())]
