@@ -61,7 +61,8 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
     if all("rank_cpu_s" in s for s in measured):
         # Shares of the ranks' step time (bench.run.machine.thread_times): CPU seconds (all
         # threads), and the training thread runnable but waiting for a core (more runnable
-        # threads than cores); the training thread slept for the rest (messages, data).
+        # threads than cores); the training thread slept for the rest (messages, data). The helper
+        # threads' share is summed over them (megatron-core and DeepSpeed runs hold many): > 1 is possible.
         rank_time = ranks * sum(latencies)
         metrics["rank_cpu_share"] = sum(sum(s["rank_cpu_s"]) for s in measured) / rank_time
         metrics["rank_runqueue_share"] = sum(sum(s["rank_runqueue_s"]) for s in measured) / rank_time

@@ -187,7 +187,7 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "median share of the machine's CPU that processes outside the run used while it measured; ranks' CPU / "
              "runqueue = the median over repeats of the shares of the ranks' step time on a CPU (all threads) and "
              "with the training thread, then gloo's and other helper threads, runnable but waiting for a core (the "
-             "kernel's schedstat); "
+             "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); "
              "with several profiles, simulated = the median over them (their range in brackets).", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
