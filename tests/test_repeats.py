@@ -80,6 +80,29 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
                 assert all(0 < c for c in s["rank_cpu_s"]) and all(0 <= q <= s["latency_s"] for q in s["rank_runqueue_s"])
                 assert len(s["rank_helper_runqueue_s"]) == 2
             assert 0 < m["rank_cpu_share"] and 0 <= m["rank_runqueue_share"] < 1
+        for s in r["steps"]:                # time in Python's garbage collector, per rank
+            assert len(s["rank_gc_s"]) == len(s["rank_gc_full"]) == 2
+            assert all(0 <= g <= s["latency_s"] for g in s["rank_gc_s"]) and all(n >= 0 for n in s["rank_gc_full"])
+        assert 0 <= m["rank_gc_share"] < 1 and m["rank_gc_max_s"] >= 0
+
+
+def test_gc_clock_times_collections_and_counts_full_ones():
+    import gc
+    clock = machine.GcClock()
+    try:
+        junk = [[i] for i in range(200_000)]       # many live objects: a full collection has work to do
+        start = (clock.seconds, clock.full)
+        gc.collect(0)
+        young = (clock.seconds, clock.full)
+        gc.collect()
+        assert young[0] > start[0] and young[1] == start[1]
+        assert clock.seconds > young[0] and clock.full == start[1] + 1
+        del junk
+    finally:
+        clock.close()
+    before = clock.seconds
+    gc.collect()
+    assert clock.seconds == before                  # closed: no longer counting
 
 
 def test_thread_times_count_this_process_on_a_cpu():

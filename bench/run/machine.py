@@ -9,6 +9,7 @@ system-wide counters: /proc/stat on Linux) minus the run's own, over the measure
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -92,6 +93,29 @@ def thread_times() -> tuple[float, float, float] | None:
         else:
             helpers += int(fields[1]) / 1e9
     return cpu, runqueue, helpers
+
+
+class GcClock:
+    """Seconds this process has spent in Python's garbage collector (gc.callbacks), and how many
+    of its collections were full ones (generation 2). A full collection walks every live Python
+    object, and a megatron-core or DeepSpeed rank holds millions after its imports, so one can
+    stall a step at a moment no other rank shares; Megatron-LM's `--manual-gc` exists for that."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info.get("generation") == 2
+            self._start = None
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 class Phases:

@@ -67,6 +67,11 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
         metrics["rank_cpu_share"] = sum(sum(s["rank_cpu_s"]) for s in measured) / rank_time
         metrics["rank_runqueue_share"] = sum(sum(s["rank_runqueue_s"]) for s in measured) / rank_time
         metrics["rank_helper_runqueue_share"] = sum(sum(s["rank_helper_runqueue_s"]) for s in measured) / rank_time
+    if all("rank_gc_s" in s for s in measured):
+        # Python's garbage collector (bench.run.machine.GcClock): its share of the ranks' step
+        # time, and the longest one rank spent in it in one step (a full collection stalls its step)
+        metrics["rank_gc_share"] = sum(sum(s["rank_gc_s"]) for s in measured) / (ranks * sum(latencies))
+        metrics["rank_gc_max_s"] = max(max(s["rank_gc_s"]) for s in measured)
     if any(busy):
         # Idle (bubble) share of rank-time: what ranks did not spend computing.
         metrics["bubble_fraction"] = 1 - sum(busy) / (ranks * sum(latencies))

@@ -96,7 +96,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
     mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
     steps = []
     total = cfg.warmup + cfg.steps
-    machine_start = None
+    machine_start, gc_clock = None, machine.GcClock()
     for step in range(total):
         progress.beat("step", step)
         injector.before_step(step)
@@ -105,12 +105,12 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         dist.barrier()
         wait_before = source.wait_s
         start = time.perf_counter()
-        sched_before = machine.thread_times()
+        sched_before, gc_before = machine.thread_times(), (gc_clock.seconds, gc_clock.full)
         result = adapter.train_step(step)
         _sync(device)
         dist.barrier()
         latency = time.perf_counter() - start
-        sched_after = machine.thread_times()
+        sched_after, gc_step = machine.thread_times(), (gc_clock.seconds - gc_before[0], gc_clock.full - gc_before[1])
         # -1: not reported by this kernel
         sched = ([max(0.0, a - b) for a, b in zip(sched_after, sched_before)]
                  if sched_before and sched_after else [-1.0] * 3)
@@ -121,7 +121,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         # Per-rank busy and data-wait times and loss sums, gathered as plain tensors.
         grad_norm = -1.0 if result.grad_norm is None else result.grad_norm       # -1: not given
         busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum,
-                                                                     grad_norm, *sched]
+                                                                     grad_norm, *sched, *gc_step]
         gathered = [torch.zeros(len(busy), dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
         if rank == 0:
@@ -139,6 +139,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
                 entry["rank_cpu_s"] = [r[6] for r in per_rank]
                 entry["rank_runqueue_s"] = [r[7] for r in per_rank]
                 entry["rank_helper_runqueue_s"] = [r[8] for r in per_rank]
+            # seconds in Python's garbage collector and full collections (bench.run.machine.GcClock)
+            entry["rank_gc_s"] = [r[9] for r in per_rank]
+            entry["rank_gc_full"] = [int(r[10]) for r in per_rank]
             norms = [r[5] for r in per_rank if r[5] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)
@@ -151,6 +154,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         if step == total - 1 and adapter.records_timeline:
             _attach_timeline(steps, result.timeline, rank, world, device)
     machine_load = machine.outside_load(machine_start, machine.snapshot()) if rank == 0 else None
+    gc_clock.close()
     mark("steps")
     updates = adapter.weight_updates()
     update_norms = None

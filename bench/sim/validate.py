@@ -198,7 +198,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
         shares = [x for x in shares if x is not None]
         meas = group[0][0]
         ranks = {k: [m["metrics"][k] for m, _ in group if m["metrics"].get(k) is not None]
-                 for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share")}
+                 for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share", "rank_gc_share")}
         rows.append({"system": meas["system"], "workload": meas["workload"],
                      "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
@@ -222,14 +222,15 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "median share of the machine's CPU that processes outside the run used while it measured; ranks' CPU / "
              "runqueue = the median over repeats of the shares of the ranks' step time on a CPU (all threads) and "
              "with the training thread, then gloo's and other helper threads, runnable but waiting for a core (the "
-             "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); "
+             "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); GC = the share in "
+             "Python's garbage collector; "
              "with several profiles, each run is simulated with each and read at its own time, linearly "
              "between the profiles taken just before and just after it; simulated = the median over the "
              "repeats (the range over the profiles in brackets).", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-              "| within spread | other load % | ranks' CPU / runqueue % (training, helpers) |",
+              "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC % |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         extra = (" (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else "") + \
@@ -259,7 +260,10 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
 
 def _rank_shares(row: dict) -> str:
     shares = [row.get(k) for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share")]
-    return "?" if None in shares else "{:.0f} / {:.0f}, {:.0f}".format(*(100 * x for x in shares))
+    if None in shares:
+        return "?"
+    gc = row.get("rank_gc_share")
+    return "{:.0f} / {:.0f}, {:.0f}".format(*(100 * x for x in shares)) + ("" if gc is None else f"; {100 * gc:.1f}")
 
 
 def _range(row: dict) -> str:
