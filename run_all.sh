@@ -16,8 +16,8 @@ done
 # status (non-zero when any run failed) is the job's.
 # The machine's speed drifts (10-40% between profiles an hour apart, one stretch slowing data
 # loading 2.8x), so each workload is profiled before, halfway through and after the sweep, and
-# validation simulates each run with all three and reads the prediction at the run's own time,
-# between the profiles taken just before and just after it.
+# validation simulates each run with all three and takes the median: one profile caught in a
+# slow stretch is outvoted.
 sweep="${1:-bench/sweeps/default.toml}"
 pending=$($py -m bench sweep "$sweep" --dry-run | grep -c ' (dry run)$' || true)
 status=0

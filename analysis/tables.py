@@ -206,9 +206,8 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
     md += ["Each measured CPU configuration simulated on a CPU cluster built from this machine's profile "
            "(`python -m bench profile`, `python -m bench validate`); error = (simulated - median of the "
            "repeats) / median; spread = the repeats' range. With several profiles of the machine (run_all "
-           "profiles before, halfway through and after the sweep: its speed drifts between them), each run is "
-           "simulated with each and read at its own time between the profiles taken just before and after "
-           "it; simulated = the median over the repeats, the range over the profiles is shown. Goal (#12): mean |error| <= 5%, every configuration within 10% or "
+           "profiles before and after the sweep: its speed drifts between them), simulated = the median over "
+           "them and their range is shown. Goal (#12): mean |error| <= 5%, every configuration within 10% or "
            "within its spread.", ""]
     md += markdown_table(shown)
     md += ["", f"{len(table)} configurations: mean |error| {err.mean():.1f}%, median {err.median():.1f}%, max "

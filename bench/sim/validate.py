@@ -6,10 +6,8 @@ plan, process count, the measured steps' very samples and the trainers' own data
 assignment) on a CPU cluster built from the measured profile of this machine
 (results/profiles/cpu-<workload>.json; measured first if missing), or from each of several
 profiles of it (`--profiles DIR` repeated: the machine's speed drifts by 10-25% between
-profiles taken half an hour apart, so a run is simulated with each and its simulated time is
-read at the moment it ran, linearly between the profiles taken just before and just after it,
-the nearest one outside their span (`at_run_time`); the table shows the range over the
-profiles): per-module compute from
+profiles taken an hour apart, so the simulated time is the median over the profiles and the
+table shows their range): per-module compute from
 the profile's fit, gloo latency and bandwidth, the host costs (preprocessing in the trainer,
 optimizer step), and the processes sharing `cores` CPU cores: with P processes on C cores each
 gets min(1, C / P) of a core, so compute runs max(1, P / C) times slower. Nothing is fitted per
@@ -94,7 +92,7 @@ def measured_step_s(record: dict) -> float:
 
 def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cores: int | None = None) -> dict:
     """The measured `record` simulated on each of `profiles` ((profile, path) pairs of its workload):
-    a simulated record whose iteration time is read at the run's time between them (at_run_time)."""
+    a simulated record whose iteration time is the median over the profiles."""
     from bench.metrics import throughput
     from bench.records import build_record, new_run_id
     from bench.sim import costs as C
@@ -103,8 +101,7 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
     by_profile = [x["median_iteration_s"] for x in runs]
     r, (profile, _) = runs[0], profiles[0]
     cluster = r["cluster"]
-    (sim_s, when), meas_s = at_run_time(record.get("timestamp"), [p.get("date") for p, _ in profiles], by_profile), \
-        measured_step_s(record)
+    sim_s, meas_s = float(statistics.median(by_profile)), measured_step_s(record)
     cfg = record["config"]
     B = int(cfg["global_batch_size"])
     flops = ModuleFlops(**r["flops_per_iteration"])
@@ -115,16 +112,15 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
     metrics = {**tp.as_dict(), "iteration_time_s": sim_s, "iteration_times_s": r["iteration_times_s"],
                "bubble_fraction": r["bubble_fraction"], "per_gpu_memory_gib": r["per_gpu_memory_gib"],
                "measured_iteration_time_s": meas_s, "error_pct": error, "gpus_used": r["gpus_used"],
-               "iteration_time_s_by_profile": by_profile, "profile_interpolation": when}
+               "iteration_time_s_by_profile": by_profile}
     config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
               "processes": processes_of(record), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}
     assumptions = {**cluster.assumptions(), "cost_model": C.__doc__.strip(),
                    "validation": ("same configuration as the measured run (its steps' samples, the trainers' "
                                   "data assignment, its layout and process count); every constant from the "
-                                  "profiles; simulated metric: median over the measured steps, read at the "
-                                  "run's time between the profiles (at_run_time; the cluster assumptions "
-                                  "below: the first profile's)"),
+                                  "profiles; simulated metric: median over the measured steps, then over the "
+                                  "profiles (the cluster assumptions below: the first profile's)"),
                    "profile_date": profile.get("date"), "profile_load_average": profile.get("load_average"),
                    "profile_dates": [p.get("date") for p, _ in profiles]}
     return build_record(run_id=new_run_id(), mode="simulated", system=record["system"], workload=record["workload"],
@@ -135,36 +131,6 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                         tags={"experiment": "validation", "measured_run_id": record["run_id"],
                               "profile_date": profiles_key(p for p, _ in profiles)},
                         metrics=metrics, assumptions=assumptions)
-
-
-def _epoch(date: str | None) -> float | None:
-    from datetime import datetime
-    try:
-        return datetime.fromisoformat(str(date).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def at_run_time(run_date: str | None, profile_dates: list, simulated: list[float]) -> tuple[float, str]:
-    """(simulated seconds at the run's time, how): `simulated[i]` came from the profile taken at
-    `profile_dates[i]`. The machine's speed drifts over tens of minutes, so the profiles taken just
-    before and just after a run describe it best: linear in time between those two; the nearest
-    one outside their span; the median of all when a date is missing. On two sweeps of 19
-    configurations (2 Dec, three profiles each) this took the mean |error| from 8.1 to 6.0% and
-    10.1 to 7.9% against the median of the predictions, with no constant changed."""
-    t, times = _epoch(run_date), [_epoch(d) for d in profile_dates]
-    if len(simulated) == 1:
-        return float(simulated[0]), "one profile"
-    if t is None or None in times:
-        return float(statistics.median(simulated)), "median over the profiles (a date is missing)"
-    points = sorted(zip(times, simulated, profile_dates))
-    if t <= points[0][0]:
-        return float(points[0][1]), f"the profile of {points[0][2]}, the first after the run"
-    if t >= points[-1][0]:
-        return float(points[-1][1]), f"the profile of {points[-1][2]}, the last before the run"
-    (t0, s0, d0), (t1, s1, d1) = next((a, b) for a, b in zip(points, points[1:]) if a[0] <= t <= b[0])
-    a = (t - t0) / (t1 - t0) if t1 > t0 else 0.5
-    return float(s0 + a * (s1 - s0)), f"{a:.2f} of the way from the profile of {d0} to that of {d1}"
 
 
 def profiles_key(profiles) -> str:
@@ -179,9 +145,8 @@ def _seq(record: dict) -> int:
 
 def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
     """(measured, simulated) record pairs -> one row per measured configuration: the median of
-    its repeats' step times, their spread (min..max), the median of the repeats' simulated times
-    (same steps and samples; each read at its own run's time between the profiles) and the error
-    against the median."""
+    its repeats' step times, their spread (min..max), the simulated time (the same for every
+    repeat: same steps, same samples) and the error against the median."""
     groups: dict[str, list[tuple[dict, dict]]] = {}
     for meas, sim in pairs:
         groups.setdefault(meas.get("config_key") or meas["run_id"], []).append((meas, sim))
@@ -224,9 +189,7 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "with the training thread, then gloo's and other helper threads, runnable but waiting for a core (the "
              "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); GC = the share in "
              "Python's garbage collector; "
-             "with several profiles, each run is simulated with each and read at its own time, linearly "
-             "between the profiles taken just before and just after it; simulated = the median over the "
-             "repeats (the range over the profiles in brackets).", ""]
+             "with several profiles, simulated = the median over them (their range in brackets).", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
@@ -336,8 +299,7 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="re-simulate runs already validated with this profile")
     p.add_argument("--profiles", type=Path, action="append", default=None, help="folder of this machine's "
                    "profiles (default results/profiles); repeat it to simulate with each folder's profile of a "
-                   "workload (each run's time is read between the profiles taken just before and after it); a "
-                   "workload in none of them is measured into the first")
+                   "workload (the median counts); a workload in none of them is measured into the first")
     p.set_defaults(handler=handle)
 
 
