@@ -40,6 +40,7 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
     wait = sum(s["data_wait_s"] for s in measured)
     busy = [sum(s["rank_busy_s"]) for s in measured]
     ranks = len(measured[0]["rank_busy_s"])
+    rank_time = ranks * sum(latencies)       # the ranks' step time, what the shares below divide
     metrics = tp.as_dict() | {
         "step_time_s": statistics.median(latencies),
         "model_flops_per_step": mean_flops.as_dict(),
@@ -63,16 +64,15 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
         # threads), and the training thread runnable but waiting for a core (more runnable
         # threads than cores); the training thread slept for the rest (messages, data). The helper
         # threads' share is summed over them (megatron-core and DeepSpeed runs hold many): > 1 is possible.
-        rank_time = ranks * sum(latencies)
         metrics["rank_cpu_share"] = sum(sum(s["rank_cpu_s"]) for s in measured) / rank_time
         metrics["rank_runqueue_share"] = sum(sum(s["rank_runqueue_s"]) for s in measured) / rank_time
         metrics["rank_helper_runqueue_share"] = sum(sum(s["rank_helper_runqueue_s"]) for s in measured) / rank_time
     if all("rank_gc_s" in s for s in measured):
         # Python's garbage collector (bench.run.machine.GcClock): its share of the ranks' step
         # time, and the longest one rank spent in it in one step (a full collection stalls its step)
-        metrics["rank_gc_share"] = sum(sum(s["rank_gc_s"]) for s in measured) / (ranks * sum(latencies))
+        metrics["rank_gc_share"] = sum(sum(s["rank_gc_s"]) for s in measured) / rank_time
         metrics["rank_gc_max_s"] = max(max(s["rank_gc_s"]) for s in measured)
     if any(busy):
         # Idle (bubble) share of rank-time: what ranks did not spend computing.
-        metrics["bubble_fraction"] = 1 - sum(busy) / (ranks * sum(latencies))
+        metrics["bubble_fraction"] = 1 - sum(busy) / rank_time
     return metrics
