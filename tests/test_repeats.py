@@ -114,3 +114,30 @@ def test_thread_times_count_this_process_on_a_cpu():
         pass
     after = machine.thread_times()
     assert after[0] - before[0] >= 0.045 and after[1] >= before[1] >= 0
+
+
+def _drift_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("machine_drift", REPO / "scripts" / "machine_drift.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_drift_summary_reads_how_a_probe_tracks_the_work():
+    drift = _drift_module()
+    # the work takes twice as long when the probe reads half: slope -1, correlation strongly negative
+    rows = [{"work_s": 2.0 / f, "matmul_gflops": 90.0 * f, "copy_gbps": 30.0} for f in (1.0, 0.8, 0.5, 0.9, 1.0) * 4]
+    text = drift.summary(rows, window=5)
+    assert "20 repeats of the fixed work: median 2.222 s, range 2.000..4.000 s" in text
+    assert "correlation with the work's time -0.99, log-log slope -1.00" in text and "copy_gbps" not in text      # a constant probe has no slope
+    assert "means of 5 consecutive repeats: 2.544..2.544 s" in text
+
+
+def test_drift_script_runs_and_writes_its_repeats(tmp_path):
+    out = tmp_path / "drift.jsonl"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "machine_drift.py"), "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in out.read_text().splitlines() if line]
+    assert rows and "repeats of the fixed work" in proc.stdout
