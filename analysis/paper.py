@@ -31,13 +31,16 @@ MFU_72B = Claim(DISTTRAIN, "54.7% MFU, 72B MLLM on 1172 GPUs",
                 "compute is capped by an assumed GEMM efficiency, 0.60 of peak for the backbone (bench/sim/"
                 "cluster.py; not measured on an H100/H200 yet); the rest is our plan's bubble and exposed comm")
 MAX_SPEEDUP = Claim(DISTTRAIN, "up to 2.2x Megatron-LM throughput",
-                    "our Megatron gets its best searched layout (SP, vpp, overlap); with few microbatches per DP "
-                    "rank the module pipeline's fill and drain cost more than balancing saves")
+                    "ours is against the best layout our search finds for Megatron (TP with SP, CP, vpp, DP "
+                    "overlap; an image module's heads padded to a multiple of TP, as NVLM pads InternViT), not "
+                    "the paper's Megatron-LM configuration; the gain grows with the encoder + generator share "
+                    "of FLOPs (the map figure)")
 COLOCATED = Claim(HETERO, "colocated heterogeneous layouts: up to +49.3% TFLOPS/GPU",
-                  "that gain is at long context with context parallelism in the LLM; we have no CP yet "
-                  "(issue #13). Ours: the colocated layout's MFU over the baseline's best")
+                  "that gain is at long context with context parallelism in the LLM (both sides here: all-to-all "
+                  "or ring CP); our homogeneous baseline runs the encoder whole on every CP rank, the paper's "
+                  "shards it. Ours: the colocated layout's MFU over the baseline's best")
 NON_COLOCATED = Claim(HETERO, "non-colocated heterogeneous layouts: up to +13.0% token throughput",
-                      "as above (no CP yet). Ours: the disaggregated layout's tokens/s over the baseline's best")
+                      "as above. Ours: the disaggregated layout's tokens/s over the baseline's best")
 
 
 def _best(configs: pd.DataFrame, column: str) -> pd.DataFrame:

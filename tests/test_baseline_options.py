@@ -235,6 +235,56 @@ def test_best_megatron_search_turns_everything_on():
     assert found["feasible"] and found["iteration_time_s"] <= plain["iteration_time_s"]
 
 
+# ---------------------------------------------------------------- image-module heads padded to TP (NVLM)
+
+def test_internvit_heads_padded_at_tp8_by_hand():
+    """InternViT-6B's 25 heads of 128 run as 32 at TP 8: QKV, attention core and output projection 32/25
+    as wide, the MLP unchanged; n = 1025 patches of a 448-px image, h 3200, f 12800."""
+    enc = C.module_shapes(get_workload("enc-heavy-26b"))["encoder"]
+    assert (enc.heads, enc.hidden, enc.ffn, enc.seq) == (25, 3200, 12800, 1024)
+    n, h, f = 1024, 3200, 12800
+
+    def layer(width):       # qkv 2nh(3w) + core 4n^2 w + proj 2nwh + GELU MLP 4nhf
+        return 6 * n * h * width + 4 * n * n * width + 2 * n * width * h + 4 * n * h * f
+    assert C.padded_heads(25, 8) == 32 and C.padded_heads(25, 4) == 28 and C.padded_heads(24, 8) == 24
+    assert C.head_padding(enc, 8) == pytest.approx(layer(32 * 128) / layer(3200), rel=1e-12)
+    assert C.head_padding(enc, 1) == 1.0
+    assert C.padding_params(enc, 8) == 45 * 7 * 128 * 4 * 3200
+
+
+def test_megatron_pads_image_heads_only_when_simulated():
+    adapter, w = get_system("megatron"), get_workload("enc-heavy-26b")
+    lay = adapter.layout({**adapter.options, "tp": 8}, 64, w, 512, 1, simulated=True)
+    assert lay.details["padded_heads"] == {"encoder": 32}
+    with pytest.raises(ConfigError, match="measured runs need it to") as info:
+        adapter.layout({**adapter.options, "tp": 8}, 64, w, 512, 1)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="backbone's 48 attention heads"):
+        adapter.layout({**adapter.options, "tp": 32}, 64, w, 512, 1, simulated=True)
+
+
+def test_padded_heads_cost_time_and_memory_not_model_flops(monkeypatch):
+    o = {"tp": 8, "pp": 2, "dp": 4, "sp": True}
+    padded = simulate("enc-heavy-26b", "megatron", o, 64, num_batches=1)
+    # the same layout priced as if TP divided the heads: the encoder's padding is all that differs
+    monkeypatch.setattr(C, "head_padding", lambda shape, tp: 1.0)
+    monkeypatch.setattr(C, "padding_params", lambda shape, tp: 0)
+    plain = simulate("enc-heavy-26b", "megatron", o, 64, num_batches=1)
+    assert padded["iteration_time_s"] > plain["iteration_time_s"]
+    assert padded["per_gpu_memory_gib"] > plain["per_gpu_memory_gib"]
+    assert padded["flops_per_iteration"] == plain["flops_per_iteration"]
+
+
+def test_megatron_search_pads_an_encoder_whose_heads_no_power_of_two_divides():
+    """25 heads left Megatron TP 1 alone: no layout of enc-heavy-26b fitted 64 H100s in memory."""
+    best = get_system("megatron").search_layout(get_workload("enc-heavy-26b"), 64, H100, KIT, seed=0,
+                                                global_batch_size=512, micro_batch_size=1, exact=False)
+    assert best is not None and best["options"]["tp"] > 1
+    exact = get_system("megatron").search_layout(get_workload("enc-heavy-26b"), 64, H100, KIT, seed=0,
+                                                 global_batch_size=512, micro_batch_size=1, exact=True)
+    assert exact is None or exact["options"]["tp"] == 1
+
+
 def test_flags_accept_the_words_true_and_false():
     """`--set sp=true` reaches the options as text (bench.keyvalue takes Python literals)."""
     assert resolve("megatron", "tiny", 2, {"tp": 2, "sp": "true", "overlap": "False"})[1].label == "tp2-pp1-dp1-sp"

@@ -14,7 +14,9 @@ of tokens x hidden x 2 bytes in forward and 2 in backward (+2 when recomputing),
 ring: 2 (t - 1) / t x bytes / bw + 2 (t - 1) x latency; NVLink inside a node, InfiniBand when
 the group spans nodes. Sequence parallelism turns each all-reduce into a reduce-scatter plus
 an all-gather, the same ring volume and latency count (ring_allreduce = 2 x ring_shard), so
-TP time is the same with or without it; it changes memory (activation_bytes). Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
+TP time is the same with or without it; it changes memory (activation_bytes). An image module
+whose heads TP does not divide runs them padded with zero heads (padded_heads: NVLM's InternViT
+at TP 8), its compute scaled by head_padding and its weights by padding_params. Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
 direction (scatter-gather over the TP ranks), a delay on the dependency edge.
 Data parallelism: at the end of the iteration each module's gradients are reduce-scattered
 and its parameters all-gathered (distributed optimizer / ZeRO-1,2: 2 bytes each, the same
@@ -233,6 +235,8 @@ def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: i
         cf, cb = compute_fb(flops, module, 1, cluster, recompute, calls, shape=shape, tokens=tokens)
         return cf / speedup, cb / speedup
     cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls, shape=shape, tokens=tokens, cp=cp)
+    pad = head_padding(shape, tp)        # zero heads an image module runs where TP does not divide its own
+    cf, cb = cf * pad, cb * pad
     mf, mb = tp_comm_fb(np.asarray(tokens, dtype=np.float64) / cp, shape.hidden, layers, tp, cluster, recompute, calls)
     if cp > 1:
         xf, xb = context.comm_fb(tokens, shape, layers, tp, cp, cp_comm, cluster, recompute)
@@ -343,6 +347,40 @@ def backbone_stage(w: Workload, pp: int, stage: int) -> tuple[float, float, int]
     flops = layers * layer_flops + (logits if stage == pp - 1 else 0.0)
     params = layers * shape.layer_params + (emb if stage == 0 else 0) + (emb if stage == pp - 1 else 0)
     return flops, params, layers
+
+
+def padded_heads(heads: int, tp: int) -> int:
+    """Attention heads a TP group runs. Megatron needs TP to divide them, so practitioners pad an
+    image module's heads with zero heads up to the next multiple of TP: NVLM runs InternViT's 25
+    heads at TP 8 as 32 (Megatron-LM examples/multimodal/nvlm/internvit.py: "we add 7 dummy zero
+    attention heads"). The dummy heads compute like real ones and learn nothing."""
+    return -(-heads // tp) * tp
+
+
+def head_padding(shape: ModuleShape, tp: int) -> float:
+    """Executed over model FLOPs of one of the module's layers over `shape.seq` tokens when its
+    heads are padded to a multiple of `tp` (1 when TP divides them): the QKV projection, the
+    attention core and the output projection run a_p heads of the real head size d (a_p d wide),
+    the MLP is unchanged. MFU keeps counting the model's FLOPs; the padding costs time only."""
+    a = padded_heads(shape.heads, tp)
+    if a == shape.heads:
+        return 1.0
+    h, n, d = shape.hidden, max(shape.seq, 1), shape.hidden // shape.heads
+    f = shape.ffn or 4 * h
+
+    def layer(heads, groups):
+        width = heads * d
+        return (2 * n * h * (width + 2 * groups * d) + 4 * n * n * width + 2 * n * width * h
+                + 2 * n * h * f * (3 if shape.gated else 2))
+    groups = a if shape.groups == shape.heads else shape.groups
+    return layer(a, groups) / layer(shape.heads, shape.groups)
+
+
+def padding_params(shape: ModuleShape, tp: int) -> int:
+    """Weights the padded heads add to the module (the QKV and output projections of a_p - a
+    heads, MHA; biases left out): layers x (a_p - a) x d x 4 h."""
+    extra = padded_heads(shape.heads, tp) - shape.heads
+    return shape.layers * extra * (shape.hidden // shape.heads) * 4 * shape.hidden
 
 
 def tp_choices(max_tp: int, *head_counts: int) -> list[int]:

@@ -16,6 +16,9 @@ One TP/PP/DP layout for the whole MLLM, plus the knobs practitioners turn on (is
            Megatron-LM's LLaVA does, the cost a homogeneous layout pays at long context.
   cp_comm  a2a (DeepSpeed-Ulysses all-to-all over heads; measured and simulated) or ring (ring
            K/V exchange; simulated only).
+  (heads)  TP must divide the backbone's attention heads; an image module whose heads it does not
+           divide is simulated with them padded by zero heads to a multiple of TP (NVLM's InternViT:
+           25 + 7 at TP 8; bench.sim.costs.padded_heads; details["padded_heads"]), measured runs refuse.
   attention local (megatron-core's unfused DotProductAttention) or sdpa (torch's
            scaled_dot_product_attention) in the measured runs. The simulator prices the attention
            core as fused (FlashAttention, bench.sim.gemm) whichever is named.
@@ -103,10 +106,17 @@ def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_s
         raise ConfigError("recompute=True is modeled by the simulator only; measured runs keep activations")
     if sp and tp == 1:
         raise ConfigError("sp=True (sequence parallelism) splits TP regions: it needs tp > 1")
+    padded = {}
     for module in ("encoder", "backbone", "generator"):
-        shape = getattr(workload, module)
-        if shape.num_attention_heads % tp:
-            raise ConfigError(f"tp={tp} does not divide the {module}'s {shape.num_attention_heads} attention heads")
+        heads = getattr(workload, module).num_attention_heads
+        if heads % tp == 0:
+            continue
+        if module == "backbone":
+            raise ConfigError(f"tp={tp} does not divide the backbone's {heads} attention heads")
+        if not simulated:
+            raise ConfigError(f"tp={tp} does not divide the {module}'s {heads} attention heads; measured runs "
+                              f"need it to (the simulator pads them with zero heads, as NVLM does for InternViT)")
+        padded[module] = -(-heads // tp) * tp
     b = workload.backbone
     if b.num_query_groups % tp or b.vocab_size % tp or b.ffn_hidden_size % tp:
         raise ConfigError(f"tp={tp} does not divide the backbone's query groups ({b.num_query_groups}), "
@@ -126,5 +136,6 @@ def monolithic_layout(options, nproc, workload, global_batch_size, micro_batch_s
                           f"({m}) divisible by pp={pp}")
     return Layout(label=label(tp, pp, dp, vpp, sp, overlap, rc, cp, comm, attention), num_devices=used,
                   details={"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": sp, "vpp": vpp, "overlap": overlap,
-                           "cp": cp, "cp_comm": comm if cp > 1 else None, "attention": attention},
+                           "cp": cp, "cp_comm": comm if cp > 1 else None, "attention": attention}
+                  | ({"padded_heads": padded} if padded else {}),
                   module_dp=dict.fromkeys(MODULES, dp))

@@ -101,10 +101,10 @@ def simulate_step(layout, step, kit) -> StepCost:
             _, params, n = vst[k]
             a = C.activation_bytes(mbs * seq / cp, sh["backbone"], n, tp, rc, sp)
             if k == 0:                       # SP is the backbone's only (systems/megatron/layout.py)
-                p += sh["encoder"].params
+                p += sh["encoder"].params + C.padding_params(sh["encoder"], tp)
                 a += C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, tp, rc, sp=False)
             if k == V - 1:
-                p += sh["generator"].params
+                p += sh["generator"].params + C.padding_params(sh["generator"], tp)
                 a += C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, tp, rc, sp=False)
             p, chunk = p + params, chunk + [a]
         act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0)
@@ -219,8 +219,10 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
                           "give the whole layout instead of --layout auto")
     C = kit.costs
     st = kit.estimate.work_stats(w, global_batch_size, micro_batch_size, seed)
-    heads = (w.backbone.num_attention_heads, w.backbone.num_query_groups, w.encoder.num_attention_heads,
-             w.generator.num_attention_heads)
+    # the backbone's heads bound TP; the image modules' are padded to a multiple of it where TP does
+    # not divide them (bench.sim.costs.padded_heads), which the measured runs cannot do (exact)
+    heads = (w.backbone.num_attention_heads, w.backbone.num_query_groups) + (
+        (w.encoder.num_attention_heads, w.generator.num_attention_heads) if exact else ())
     patterns = CP.MEASURED_PATTERNS if exact else CP.PATTERNS
     parts = {}                       # the DP-independent costs of each (tp, pp, rc, vpp, cp, cp_comm)
 
