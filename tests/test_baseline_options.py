@@ -285,6 +285,19 @@ def test_megatron_search_pads_an_encoder_whose_heads_no_power_of_two_divides():
     assert exact is None or exact["options"]["tp"] == 1
 
 
+def test_disttrain_may_pad_its_image_modules_too_when_simulated():
+    """The same padding for the system under study: its colocated encoder at TP 8 (25 heads -> 32)."""
+    adapter, w = get_system("disttrain"), get_workload("enc-heavy-26b")
+    opts = {**adapter.options, "plan": "enc:8x8,llm:4x1x16,gen:4x16", "placement": "colocated"}
+    assert adapter.layout(opts, 64, w, 512, 1, simulated=True).num_devices == 64
+    with pytest.raises(ConfigError, match="encoder tp=8 does not divide its 25 attention heads; measured"):
+        adapter.layout(opts, 64, w, 512, 1)
+    padded = simulate("enc-heavy-26b", "disttrain", opts, 64, num_batches=1)
+    plain = simulate("enc-heavy-26b", "disttrain", {**opts, "plan": "enc:1x64,llm:4x1x16,gen:4x16"}, 64,
+                     num_batches=1)
+    assert padded["per_gpu_memory_gib"] < plain["per_gpu_memory_gib"]
+
+
 def test_flags_accept_the_words_true_and_false():
     """`--set sp=true` reaches the options as text (bench.keyvalue takes Python literals)."""
     assert resolve("megatron", "tiny", 2, {"tp": 2, "sp": "true", "overlap": "False"})[1].label == "tp2-pp1-dp1-sp"

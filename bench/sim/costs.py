@@ -383,6 +383,12 @@ def padding_params(shape: ModuleShape, tp: int) -> int:
     return shape.layers * extra * (shape.hidden // shape.heads) * 4 * shape.hidden
 
 
+def image_tp_choices(max_tp: int, shape: ModuleShape, padded: bool) -> list[int]:
+    """TP sizes an image module can take: powers of two up to max_tp dividing its heads, or, with
+    `padded` (the simulator's search), every one, its heads padded to a multiple (padded_heads)."""
+    return tp_choices(max_tp) if padded else tp_choices(max_tp, shape.heads)
+
+
 def tp_choices(max_tp: int, *head_counts: int) -> list[int]:
     """Powers of two up to max_tp that divide every given head / KV-group count."""
     out, t = [], 1

@@ -45,9 +45,10 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
     hb = w.backbone.hidden_size
     link = (C.p2p_time(tk, hb, tp, cluster, True) if key == "encoder"
             else C.p2p_time(samples * w.generator.num_cond_tokens / dp, hb, 1, cluster, True))
-    sync = C.dp_sync_time(sh.params / tp, dp, tp * dp > gpn, cluster)
+    params = (sh.params + C.padding_params(sh, tp)) / tp
+    sync = C.dp_sync_time(params, dp, tp * dp > gpn, cluster)
     tk_mem = np.maximum(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
-    mem = (C.distributed_optimizer_bytes(sh.params / tp, dp, cluster.value_bytes)
+    mem = (C.distributed_optimizer_bytes(params, dp, cluster.value_bytes)
            + inflight * C.activation_bytes(tk_mem, sh, sh.layers, tp, rc))
     return f + b, link, sync, mem <= cluster.memory_bytes
 
@@ -81,7 +82,7 @@ def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float
 def _sides(kit, w, st, cluster, key, samples, inflight, rc, n):
     """All (tp, dp) groups of at most n GPUs: rows (g, time, link, sync, tp, dp), infeasible dropped."""
     C, rows = kit.costs, []
-    for tp in C.tp_choices(cluster.gpus_per_node, C.module_shapes(w)[key].heads):
+    for tp in C.image_tp_choices(cluster.gpus_per_node, C.module_shapes(w)[key], padded=True):
         dp = np.arange(1, n // tp + 1)
         t, link, sync, ok = _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc)
         one = np.ones_like(dp, dtype=np.float64)
@@ -170,7 +171,8 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
     dividing the heads, PP dividing the layers, backbone DP with the batch rounded to a multiple
     of DP x microbatch (exact: DP x microbatch dividing the batch, as the runtime requires)."""
     C, gpn = kit.costs, cluster.gpus_per_node
-    side = {k: [(tp, dp) for tp in C.tp_choices(gpn, C.module_shapes(w)[k].heads) for dp in range(1, num_gpus // tp + 1)]
+    side = {k: [(tp, dp) for tp in C.image_tp_choices(gpn, C.module_shapes(w)[k], padded=not exact)
+                for dp in range(1, num_gpus // tp + 1)]
             for k in ("encoder", "generator")}
     # Measured runs have no CP (systems.disttrain.plan.CP_MEASURED): exact plans keep cp = 1.
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus, recompute):
@@ -252,8 +254,9 @@ def _colocated_module(kit, w, st, cluster, key, ranks: int, tp: int, rc: bool, b
         rows = backbone_dp * st.mbs / dp              # samples per rank in one microbatch
         mb_tokens = max(kit.estimate.MEM_HEADROOM * rows * tokens, st.max_tokens[key])
     f, b = C.module_fb(samples * per_sample, samples * tokens, key, sh, sh.layers, tp, cluster, rc, cp=cp, cp_comm=comm)
-    sync = C.dp_sync_time(sh.params / tp, dp * cp, ranks > gpn, cluster)
-    mem = (C.distributed_optimizer_bytes(sh.params / tp, dp * cp, cluster.value_bytes)
+    params = (sh.params + C.padding_params(sh, tp)) / tp
+    sync = C.dp_sync_time(params, dp * cp, ranks > gpn, cluster)
+    mem = (C.distributed_optimizer_bytes(params, dp * cp, cluster.value_bytes)
            + C.activation_bytes(mb_tokens, sh, sh.layers, tp, rc))
     return float(f + b + sync), float(mem)
 
@@ -266,7 +269,7 @@ def colocated_plans(kit, w, ranks: int, cluster, st, exact: bool = False):
     recomputation or not (exact: not); per backbone, the encoder's and generator's TP (CP 1)
     minimizing the sum of the modules' times within memory."""
     C, b, gpn = kit.costs, w.backbone, cluster.gpus_per_node
-    sides = {k: [t for t in C.tp_choices(gpn, C.module_shapes(w)[k].heads) if ranks % t == 0]
+    sides = {k: [t for t in C.image_tp_choices(gpn, C.module_shapes(w)[k], padded=not exact) if ranks % t == 0]
              for k in ("encoder", "generator")}
     if not all(sides.values()):
         return
