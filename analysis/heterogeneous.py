@@ -21,8 +21,9 @@ DIFFERENCES = (
     "The simulator prices attention as fused (FlashAttention-style) GEMM time by shape and CP traffic from "
     "bandwidth alone (bench/sim/context.py); kernel launch latency, all-to-all imbalance and memory "
     "fragmentation, which grow with CP on real clusters, are not modeled.",
-    "Colocated modules time-share the GPUs with no overlap between modules and no switching cost, but "
-    "move boundary activations with all-gathers over every rank, a cost that grows with the GPU count; "
+    "Colocated modules time-share the GPUs with no overlap between modules and no switching cost, and "
+    "move boundary activations point to point into the next module's layout (as bridge communicators do; "
+    "our measured runtime all-gathers them over every rank, which validation prices as such); "
     "non-colocated modules hand activations over at the cluster's point-to-point bandwidth, and whole-GPU "
     "module sizes plus a backbone DP that must fit the batch leave the backbone's GPUs the bottleneck.",
     "TFLOPS/GPU here counts model FLOPs (no recomputation), so at equal GPU count its gain equals the "

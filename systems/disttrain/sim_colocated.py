@@ -22,7 +22,11 @@ def _spread(bc, key, samples, dp: int, reorder: bool):
 def simulate_step(layout, step, kit) -> StepCost:
     """Colocated placement: every module on all P ranks with its own TP x DP, run one after another
     per microbatch (encoder fwd, regroup, backbone fwd, regroup, generator fwd+bwd, backbone bwd,
-    encoder bwd); each regroup is an all-gather over the world, so ranks move in lockstep. A
+    encoder bwd), ranks in lockstep. A regroup moves a boundary tensor from one module's layout to
+    the next's: with the trainers' own order (validation) as this runtime does it, an all-gather over
+    the world; at scale as megatron-core's bridge communicators do (arXiv 2605.27678: activations
+    materialized in the destination layout, gradients routed back), point to point, each rank
+    receiving what its rows need from the max(1, dp_from / dp_to) ranks that hold it. A
     context-parallel backbone (TP x CP x DP = P) runs 1/cp of each of its sequences per rank
     (bench.sim.context); the encoder and generator, TP x DP = P, have no CP. With the trainers' own
     order (validation) each module rank runs its rows' images, as the measured runtime does;
@@ -48,8 +52,14 @@ def simulate_step(layout, step, kit) -> StepCost:
             cut = [chunks(gm[j], lay[k]["dp"]) for j in range(m)]        # once per microbatch: dp x m, not dp^2 x m
             rows[k] = [[list(cut[j][r]) for j in range(m)] for r in range(lay[k]["dp"])]
     bw, lat = C.link(cluster, P > cluster.gpus_per_node)
-    def gather(per_rank_elems):              # all-gather of a tensor of that many elements per rank
-        return float((P - 1) * (per_rank_elems * cluster.value_bytes / bw + lat)) if P > 1 else 0.0
+    def regroup(per_rank_elems, src: str, dst: str) -> float:
+        """Seconds to move a boundary tensor of `per_rank_elems` elements per `src` rank to `dst`."""
+        if P == 1:
+            return 0.0
+        if rd is not None:                   # this runtime: an all-gather over the world
+            return float((P - 1) * (per_rank_elems * cluster.value_bytes / bw + lat))
+        fan_in = max(1, -(-lay[src]["dp"] // lay[dst]["dp"]))
+        return float(per_rank_elems * fan_in * cluster.value_bytes / bw + fan_in * lat)
     total, busy, first = 0.0, 0.0, []
     tok = {"encoder": 0.0, "generator": 0.0}
     bb_f = C.backbone_stage(w, 1, 0)[0]
@@ -75,11 +85,12 @@ def simulate_step(layout, step, kit) -> StepCost:
             t[k] = (host.lockstep(f, mp[k], P, cluster, share), host.lockstep(b, mp[k], P, cluster, share))
             busy += mp[k] * float(f.sum() + b.sum())
         # the encoder's output: each rank its rows' canvas, or its images' tokens when spread
-        canvas = gather(spread["encoder"] / w.encoder.token_merge ** 2 * hb if "encoder" in spread
-                        else size // E["dp"] * seq * hb)
-        cond = gather(size // K["dp"] * w.generator.num_cond_tokens * hb)
-        cond_grad = gather(size // G["dp"] * w.generator.num_cond_tokens * hb)
-        canvas_grad = gather(size // K["dp"] * seq // cp * hb)     # each backbone rank: its 1/cp of the sequence
+        canvas = regroup(spread["encoder"] / w.encoder.token_merge ** 2 * hb if "encoder" in spread
+                         else size // E["dp"] * seq * hb, "encoder", "backbone")
+        cond = regroup(size // K["dp"] * w.generator.num_cond_tokens * hb, "backbone", "generator")
+        cond_grad = regroup(size // G["dp"] * w.generator.num_cond_tokens * hb, "generator", "backbone")
+        # each backbone rank: its 1/cp of the sequence's gradient, back to the encoder's layout
+        canvas_grad = regroup(size // K["dp"] * seq // cp * hb, "backbone", "encoder")
         total += sum(sum(v) for v in t.values()) + canvas + cond + cond_grad + canvas_grad
         if j == 0:
             first = [[float(bc.per_sample("encoder")[[i for r in rows["encoder"] for i in r[0]]].sum()),
