@@ -1,6 +1,6 @@
 """How much this machine's speed moves on its own: the noise floor of any one measurement here.
 
-Usage: .venv/bin/python scripts/machine_drift.py [SECONDS] [--out FILE.jsonl]
+Usage: .venv/bin/python scripts/machine_drift.py [SECONDS] [--out FILE.jsonl] [--tokens N]
 
 Run it on an otherwise idle machine. It repeats the same work for SECONDS (default 300): three
 forward + backward + Adam steps of one 768-wide transformer layer (batch 2, 512 tokens), one
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("seconds", nargs="?", type=float, default=300.0)
     ap.add_argument("--out", default=None, help="also write the repeats as JSON lines here")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per sequence of the fixed work (default 512)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     dst = torch.empty_like(src)
     layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
     opt = torch.optim.Adam(layer.parameters())
-    x = torch.randn(2, 512, 768)
+    x = torch.randn(2, args.tokens, 768)
 
     def work() -> float:
         start = time.perf_counter()

@@ -134,9 +134,11 @@ def test_drift_summary_reads_how_a_probe_tracks_the_work():
     assert "means of 5 consecutive repeats: 2.544..2.544 s" in text
 
 
+@pytest.mark.multiprocess
 def test_drift_script_runs_and_writes_its_repeats(tmp_path):
     out = tmp_path / "drift.jsonl"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "machine_drift.py"), "1", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "machine_drift.py"), "0.5", "--tokens", "16",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in out.read_text().splitlines() if line]
