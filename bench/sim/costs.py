@@ -383,6 +383,11 @@ def padding_params(shape: ModuleShape, tp: int) -> int:
     return shape.layers * extra * (shape.hidden // shape.heads) * 4 * shape.hidden
 
 
+def shard_params(shape: ModuleShape, tp: int) -> float:
+    """Parameters one of the module's TP ranks holds, padded heads included."""
+    return (shape.params + padding_params(shape, tp)) / tp
+
+
 def image_tp_choices(max_tp: int, shape: ModuleShape, padded: bool) -> list[int]:
     """TP sizes an image module can take: powers of two up to max_tp dividing its heads, or, with
     `padded` (the simulator's search), every one, its heads padded to a multiple (padded_heads)."""

@@ -45,7 +45,7 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
     hb = w.backbone.hidden_size
     link = (C.p2p_time(tk, hb, tp, cluster, True) if key == "encoder"
             else C.p2p_time(samples * w.generator.num_cond_tokens / dp, hb, 1, cluster, True))
-    params = (sh.params + C.padding_params(sh, tp)) / tp
+    params = C.shard_params(sh, tp)
     sync = C.dp_sync_time(params, dp, tp * dp > gpn, cluster)
     tk_mem = np.maximum(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
     mem = (C.distributed_optimizer_bytes(params, dp, cluster.value_bytes)
@@ -254,7 +254,7 @@ def _colocated_module(kit, w, st, cluster, key, ranks: int, tp: int, rc: bool, b
         rows = backbone_dp * st.mbs / dp              # samples per rank in one microbatch
         mb_tokens = max(kit.estimate.MEM_HEADROOM * rows * tokens, st.max_tokens[key])
     f, b = C.module_fb(samples * per_sample, samples * tokens, key, sh, sh.layers, tp, cluster, rc, cp=cp, cp_comm=comm)
-    params = (sh.params + C.padding_params(sh, tp)) / tp
+    params = C.shard_params(sh, tp)
     sync = C.dp_sync_time(params, dp * cp, ranks > gpn, cluster)
     mem = (C.distributed_optimizer_bytes(params, dp * cp, cluster.value_bytes)
            + C.activation_bytes(mb_tokens, sh, sh.layers, tp, rc))

@@ -169,7 +169,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     shared = cluster.shared_cores
     for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
-        p = (sh[key].params + C.padding_params(sh[key], lay["tp"])) / lay["tp"]
+        p = C.shard_params(sh[key], lay["tp"])
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
         col = 0 if key == "encoder" else S - 1

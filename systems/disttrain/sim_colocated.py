@@ -97,8 +97,7 @@ def simulate_step(layout, step, kit) -> StepCost:
                       size * bb_f, float(bc.per_sample("generator")[[i for r in rows["generator"] for i in r[0]]].sum())]]
     sync, opt, mem, data = 0.0, 0.0, 0.0, 0.0
     for k in MODULES:
-        p = (sh[k].params + C.padding_params(sh[k], lay[k]["tp"])) / lay[k]["tp"]
-        shards = lay[k]["dp"] * lay[k]["cp"]                                      # optimizer over DP x CP
+        p, shards = C.shard_params(sh[k], lay[k]["tp"]), lay[k]["dp"] * lay[k]["cp"]     # optimizer over DP x CP
         sync += float(C.dp_sync_time(p, shards, P > cluster.gpus_per_node, cluster))
         opt += C.optimizer_time(p / shards, cluster)
         toks = size // lay[k]["dp"] * seq / cp if k == "backbone" else tok[k]
