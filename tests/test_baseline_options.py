@@ -324,7 +324,7 @@ def test_measured_option_reproduces_single_process_loss(tmp_path, reference, sys
 @pytest.mark.multiprocess
 def test_interleaved_pipeline_reproduces_plain_1f1b(tmp_path):
     """Interleaving needs pp x vpp dividing the backbone's layers: small-gen-heavy has 4 (tiny 2)."""
-    sets = {**FAST, "steps": 2, "pp": 2}
+    sets = {**FAST, "steps": 2, "pp": 2, "global_batch_size": 8, "data.num_samples": 16}
     plain = run_record("megatron", 2, sets, tmp_path / "a.jsonl", workload="small-gen-heavy")
     inter = run_record("megatron", 2, {**sets, "vpp": 2, "overlap": True}, tmp_path / "b.jsonl",
                        workload="small-gen-heavy")
