@@ -104,55 +104,66 @@ def _tokens(w, name, mb_metas) -> int:
     return sum(w.latent_tokens(r) + w.generator.num_cond_tokens for m in mb_metas for r in m.output_resolutions)
 
 
+def build_modules(w, device, dtype, seed, tp: int = 1) -> dict:
+    """name -> (module, DDP-wrapped model, config) of each module, built as the trainers build it."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    return {n: _build(n, w, pg, dtype, device, seed, tp) for n in MODULES}
+
+
+def run_pass(built: dict, mb, timer, record=None, memory=None) -> None:
+    """One microbatch through encoder -> backbone -> generator, forward and backward, each module's
+    input detached (as between ranks); `record`: per module, append forward / backward seconds and
+    the process's CPU seconds; `memory`: per module, the bytes autograd saved for backward."""
+    import torch
+    for name in MODULES:
+        _, model, _ = built[name]
+        model.zero_grad_buffer()
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            try:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except RuntimeError:
+                pass
+            return t
+        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if memory is not None
+                 else contextlib.nullcontext())
+        t0, c0 = timer.now(), time.process_time()
+        with hooks:
+            if name == "encoder":
+                y = model(mb)
+                loss = (y * 1e-3).sum()
+                canvas = y.detach()
+            elif name == "backbone":
+                lm, cond = model(mb, canvas)
+                loss = lm.sum() + (cond * 1e-3).sum()
+                cond_in = cond.detach()
+            else:
+                loss = model(mb, cond_in).sum()
+        t1 = timer.now()
+        if loss.requires_grad:
+            loss.backward()
+        t2, c2 = timer.now(), time.process_time()
+        if record is not None:
+            record[name]["fwd"].append(t1 - t0)
+            record[name]["bwd"].append(t2 - t1)
+            record[name]["cpu"].append(c2 - c0)
+        if memory is not None:
+            memory[name] = sum(saved.values())
+
+
 def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0):
     """Per module and microbatch: median forward / backward seconds, forward + backward CPU seconds of
     the process (all its threads: gloo's too), activation memory (at TP `tp`:
     every rank of the TP group calls this in lockstep). At least `repeats` passes, and more until the
     passes took `min_seconds`."""
-    import torch
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    built = {n: _build(n, w, pg, dtype, device, seed, tp) for n in MODULES}
+    built = build_modules(w, device, dtype, seed, tp)
     out = {n: {"fwd": [], "bwd": [], "cpu": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
     mbs_dev = [mb.to(device) for mb in mbs_list]
 
     def run(mb, record, memory=None):
-        # encoder -> backbone -> generator, each module's input detached (as between ranks)
-        for name in MODULES:
-            _, model, _ = built[name]
-            model.zero_grad_buffer()
-            saved: dict[int, int] = {}
-
-            def pack(t):
-                try:
-                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                except RuntimeError:
-                    pass
-                return t
-            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if memory is not None
-                     else contextlib.nullcontext())
-            t0, c0 = timer.now(), time.process_time()
-            with hooks:
-                if name == "encoder":
-                    y = model(mb)
-                    loss = (y * 1e-3).sum()
-                    canvas = y.detach()
-                elif name == "backbone":
-                    lm, cond = model(mb, canvas)
-                    loss = lm.sum() + (cond * 1e-3).sum()
-                    cond_in = cond.detach()
-                else:
-                    loss = model(mb, cond_in).sum()
-            t1 = timer.now()
-            if loss.requires_grad:
-                loss.backward()
-            t2, c2 = timer.now(), time.process_time()
-            if record is not None:
-                record[name]["fwd"].append(t1 - t0)
-                record[name]["bwd"].append(t2 - t1)
-                record[name]["cpu"].append(c2 - c0)
-            if memory is not None:
-                memory[name] = sum(saved.values())
+        run_pass(built, mb, timer, record, memory)
 
     run(mbs_dev[0], None)                        # warm-up (allocator, lazy inits)
     # Passes over all microbatches in training order, not one microbatch repeated back to back:

@@ -34,10 +34,13 @@ from workloads.presets import MODULES
 
 TP = 2
 MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs use few processes)
-# Rounds of (alone, together, oversubscribed): with two, one slow stretch moved the slowdown of
-# small from 1.03 to 1.23 between profiles an hour apart (while "two per core" read 1.06, below
-# "one per core": noise); the median of three rounds' own ratios outvotes one such stretch.
-CORUN_ROUNDS = 3
+# Rounds of (alone, together, oversubscribed), the median of their own ratios. With three rounds,
+# each phase rebuilding the modules (~20 s apart), the slowdown with two per core read 1.01-1.09
+# in three profiles of small over 90 minutes and 1.24 the next morning, and the 4-process runs
+# of small were 10-23% slower than simulated: the phases fell in different stretches of the
+# machine's drift. Phases are now one pass each, seconds apart, and seven rounds outvote stretches.
+CORUN_ROUNDS = 7
+CORUN_MICROBATCHES = 4   # a pass: the first of the profile's microbatches (small: ~2 s alone)
 
 
 def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: str | None, seed: int,
@@ -105,13 +108,15 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
                   microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
     """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then
     `procs` copies at once (one per core), then all 2 x procs (two per core), CORUN_ROUNDS times
-    over, seconds apart, so the machine's drift stays out of each round's ratios. Each pass records the CPU seconds of
-    its thread: with two processes per core, wall time would also count the turns a process
-    waits for its core, which the simulator's processor sharing already gives. Each process is
-    its own world of 1; the store only orders the phases."""
+    over. Each process builds its modules once and every phase is one pass, so a round's three
+    phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
+    out of the round's ratios. Each pass records the CPU seconds of its thread: with two processes
+    per core, wall time would also count the turns a process waits for its core, which the
+    simulator's processor sharing already gives. Each process is its own world of 1; the store
+    only orders the phases."""
     import torch
     import torch.distributed as dist
-    from bench.profile.measure import init_single_process, load_microbatches, time_modules
+    from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
     from workloads.presets import get_workload
     torch.set_num_threads(1)
     total = 2 * procs
@@ -128,13 +133,17 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
     times: dict[str, list[float]] = {phase: [] for phase in runs}
     try:
         w = get_workload(workload, data_profile)
-        mbs = w.micro_batch_size
-        batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
+        batches, *_ = load_microbatches(w, seed, w.micro_batch_size, microbatches, Path(data_root), num_samples)
+        built, timer = build_modules(w, dev, torch.float32, seed), _ThreadTimer(dev)
+        for mb in batches:                       # warm-up (allocator, lazy inits), every process at once
+            run_pass(built, mb, timer)
         for i, phase in enumerate(list(runs) * CORUN_ROUNDS):
             barrier(f"phase{i}")
             if rank >= runs[phase]:
                 continue
-            rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, 1, seed, _ThreadTimer(dev))
+            rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+            for mb in batches:
+                run_pass(built, mb, timer, rec)
             times[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
         Path(f"{out_file}.{rank}").write_text(json.dumps(times))
     finally:
@@ -161,18 +170,19 @@ def corun_slowdowns(raw: list[dict], procs: int) -> dict:
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
                   data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "oversubscribed": {"processes", "seconds",
-    "slowdown"}, "method"}: CPU seconds of one pass of the TP-1 module timing with `processes` (= the
+    "slowdown"}, "method"}: CPU seconds of one pass of the TP-1 modules with `processes` (= the
     cores, at most MAX_CORUN) copies at once, and with twice as many, against one copy alone,
     in CORUN_ROUNDS rounds (_corun_worker); slowdown: corun_slowdowns."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "corun.json"
-        run_processes(_corun_worker, (procs, workload, data_profile, seed, microbatches, str(data_root),
-                                      num_samples), out, "side-by-side module timing", nprocs=2 * procs,
+        run_processes(_corun_worker, (procs, workload, data_profile, seed, min(microbatches, CORUN_MICROBATCHES),
+                                      str(data_root), num_samples), out, "side-by-side module timing", nprocs=2 * procs,
                      timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
     return {**corun_slowdowns(raw, procs),
-            "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass of the TP-1 module "
-                       f"timing, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} "
-                       f"(two per core), one thread each, {CORUN_ROUNDS} rounds seconds apart; the median over the "
+            "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass over "
+                       f"{min(microbatches, CORUN_MICROBATCHES)} microbatches of the TP-1 modules, built once per "
+                       f"process, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} "
+                       f"(two per core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
                        f"rounds of each round's together / alone; below 1 (noise) counts as 1")}
