@@ -250,6 +250,12 @@ def test_internvit_heads_padded_at_tp8_by_hand():
     assert C.head_padding(enc, 8) == pytest.approx(layer(32 * 128) / layer(3200), rel=1e-12)
     assert C.head_padding(enc, 1) == 1.0
     assert C.padding_params(enc, 8) == 45 * 7 * 128 * 4 * 3200
+    # saved per token and layer, bf16, MHA: Q, K, V and the projection's input 2 bytes x width each
+    # (8h at 25 heads, 8 x 32 x 128 padded), norms 4h, QKV / MLP inputs 4h, masks 2h, GELU MLP 4f
+    one_layer = 2 * 4 * 32 * 128 + 10 * h + 4 * f
+    act = C.activation_bytes(1000, enc, 45, 8, sp=False)
+    assert act == pytest.approx(1000 * 45 * ((one_layer - 10 * h) / 8 + 10 * h), rel=1e-12)
+    assert C.activation_bytes(1000, enc, 45, 1) == pytest.approx(1000 * 45 * (18 * h + 4 * f), rel=1e-12)
 
 
 def test_megatron_pads_image_heads_only_when_simulated():
@@ -269,6 +275,7 @@ def test_padded_heads_cost_time_and_memory_not_model_flops(monkeypatch):
     # the same layout priced as if TP divided the heads: the encoder's padding is all that differs
     monkeypatch.setattr(C, "head_padding", lambda shape, tp: 1.0)
     monkeypatch.setattr(C, "padding_params", lambda shape, tp: 0)
+    monkeypatch.setattr(C, "padding_activation_bytes", lambda shape, tp: 0.0)
     plain = simulate("enc-heavy-26b", "megatron", o, 64, num_batches=1)
     assert padded["iteration_time_s"] > plain["iteration_time_s"]
     assert padded["per_gpu_memory_gib"] > plain["per_gpu_memory_gib"]

@@ -16,7 +16,8 @@ the group spans nodes. Sequence parallelism turns each all-reduce into a reduce-
 an all-gather, the same ring volume and latency count (ring_allreduce = 2 x ring_shard), so
 TP time is the same with or without it; it changes memory (activation_bytes). An image module
 whose heads TP does not divide runs them padded with zero heads (padded_heads: NVLM's InternViT
-at TP 8), its compute scaled by head_padding and its weights by padding_params. Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
+at TP 8), its compute scaled by head_padding, its weights by padding_params and its saved
+activations by padding_activation_bytes. Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
 direction (scatter-gather over the TP ranks), a delay on the dependency edge.
 Data parallelism: at the end of the iteration each module's gradients are reduce-scattered
 and its parameters all-gathered (distributed optimizer / ZeRO-1,2: 2 bytes each, the same
@@ -325,7 +326,7 @@ def activation_bytes(tokens, shape: ModuleShape, layers: int, tp: int, recompute
     inputs 4h, the QKV and MLP inputs 4h, two dropout masks 2h) and the stored layer inputs of
     full recomputation are whole on every TP rank (Korthikanti et al. 2022, sec. 4.2)."""
     tokens = np.asarray(tokens, dtype=np.float64)
-    h, one_layer = shape.hidden, shape.activation_bytes_per_token
+    h, one_layer = shape.hidden, shape.activation_bytes_per_token + padding_activation_bytes(shape, tp)
     whole = 0.0 if sp or tp == 1 else 1.0                  # share of the non-TP part each rank keeps whole
     layer = (one_layer - whole * NON_TP_ACT_BYTES * h) / tp + whole * NON_TP_ACT_BYTES * h
     if recompute:
@@ -381,6 +382,16 @@ def padding_params(shape: ModuleShape, tp: int) -> int:
     heads, MHA; biases left out): layers x (a_p - a) x d x 4 h."""
     extra = padded_heads(shape.heads, tp) - shape.heads
     return shape.layers * extra * (shape.hidden // shape.heads) * 4 * shape.hidden
+
+
+def padding_activation_bytes(shape: ModuleShape, tp: int) -> float:
+    """Saved bytes per token and layer (before TP) the padded heads add: the attention-width values,
+    Q (2h) and the output projection's input (2h), and with MHA also K and V (2h g/a each), grow
+    by a_p / a (the module docstring's derivation); the norms and the MLP are unchanged."""
+    a = padded_heads(shape.heads, tp)
+    h = shape.hidden
+    width = 4 * h + (4 * h * shape.groups / shape.heads if shape.groups == shape.heads else 0.0)
+    return (a / shape.heads - 1) * width
 
 
 def shard_params(shape: ModuleShape, tp: int) -> float:
