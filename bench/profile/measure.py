@@ -161,18 +161,14 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
     built = build_modules(w, device, dtype, seed, tp)
     out = {n: {"fwd": [], "bwd": [], "cpu": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
     mbs_dev = [mb.to(device) for mb in mbs_list]
-
-    def run(mb, record, memory=None):
-        run_pass(built, mb, timer, record, memory)
-
-    run(mbs_dev[0], None)                        # warm-up (allocator, lazy inits)
+    run_pass(built, mbs_dev[0], timer)           # warm-up (allocator, lazy inits)
     # Passes over all microbatches in training order, not one microbatch repeated back to back:
     # repeating the same microbatch measured ~7% faster on this CPU (its working set stays warm),
     # which a training step, running a different microbatch each time, never sees.
     memory = []
     for mb in mbs_dev:
         memory.append({})
-        run(mb, None, memory[-1])                # untimed: bytes saved for backward
+        run_pass(built, mb, timer, memory=memory[-1])   # untimed: bytes saved for backward
     # A machine shared with others changes speed from second to second (the same pass of `tiny`
     # took 13.5-29.7 ms over two minutes, in runs of fast and slow stretches ~10 s long), so a few
     # passes catch one stretch; the median over `min_seconds` of passes is the machine's typical speed.
@@ -180,7 +176,7 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
     started, done = time.perf_counter(), 0
     while done < repeats or time.perf_counter() - started < min_seconds:
         for k, mb in enumerate(mbs_dev):
-            run(mb, passes[k])
+            run_pass(built, mb, timer, passes[k])
         done += 1
     for k, mb in enumerate(mbs_dev):
         rec, mem = passes[k], memory[k]
