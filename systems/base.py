@@ -27,6 +27,10 @@ from workloads.presets import MODULES, Workload
 
 PLUGINS_ENV = "BENCH_PLUGINS"
 TIMELINE_KINDS = ("fwd", "bwd", "comm", "idle")
+# The parts of a step a system may time on each rank (StepOutput.phase_s): the forward/backward
+# schedule up to the gradient reduction, the DP gradient reduction after it (waiting for the
+# slowest replica included), and the optimizer step (with its parameter all-gather, if any).
+STEP_PHASES = ("compute", "grad_sync", "optimizer")
 
 
 class ConfigError(ValueError):
@@ -105,6 +109,8 @@ class StepOutput:
     grad_norm: float | None = None   # the global gradient norm before clipping, where the optimizer gives it
     module_busy_s: dict[str, float] = field(default_factory=dict)   # this rank's compute time per module
     timeline: list[TimelineEvent] = field(default_factory=list)     # only if records_timeline
+    # seconds of this rank's step in each of STEP_PHASES; empty if the system does not split its step
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def test_validation_appends_tagged_records_and_a_table(setup):
         validate_record(s)
         assert s["tags"]["experiment"] == "validation" and "assumptions" in s
         m = s["metrics"]
-        assert m["iteration_time_s"] > 0
+        assert m["iteration_time_s"] > 0 and m["compute_s"] > 0 and m["after_compute_s"] >= 0
         assert m["error_pct"] == pytest.approx(100 * (m["iteration_time_s"] - m["measured_iteration_time_s"])
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
@@ -163,3 +163,21 @@ def test_several_profiles_give_the_median_and_their_range(tmp_path):
     sim = [r for r in read_records(results) if r["mode"] == "simulated"][-1]
     assert sim["config"]["profile"] == [str(d / "cpu-tiny.json") for d in dirs]
     assert f"({row['simulated_low_s']:.4g}..{row['simulated_high_s']:.4g})" in md.read_text()
+
+
+def test_phase_rows_split_the_error_between_compute_and_the_rest():
+    from bench.sim.phases import markdown as phase_markdown, measured_phases, phase_rows
+    rec = measured_record("megatron", 2, {}, 1.0)
+    # per step: the slowest rank's compute, and latency - data wait - that compute
+    for s, (c0, c1, wait) in zip(rec["steps"], [(0.6, 0.7, 0.1), (0.8, 0.5, 0.0), (0.65, 0.6, 0.05)]):
+        s["data_wait_s"] = wait
+        s["rank_phase_s"] = {"compute": [c0, c1], "grad_sync": [0.1, 0.1], "optimizer": [0.05, 0.05]}
+    assert measured_phases(rec) == pytest.approx({"compute_s": 0.7, "after_compute_s": 0.2})
+    sim = {"metrics": {"compute_s": 0.63, "after_compute_s": 0.25}}
+    other = measured_record("deepspeed", 2, {}, 1.0)          # no phases timed: left out
+    rows = phase_rows([(rec, sim), (other, {"metrics": {}})])
+    assert len(rows) == 1 and rows[0]["system"] == "megatron"
+    assert rows[0]["compute_s"]["error_pct"] == pytest.approx(-10.0)
+    assert rows[0]["after_compute_s"]["error_pct"] == pytest.approx(25.0)
+    assert "| megatron | tiny | tp1-pp1-dp2 | 2 | 1 | 0.7 | 0.63 | -10.0 | 0.2 | 0.25 | +25.0 |" in phase_markdown(rows)
+    assert phase_markdown([]) == ""

@@ -10,6 +10,10 @@ from pathlib import Path
 from bench.profile.fit import fit_message_times
 
 COMM_SIZES = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)   # bytes (64 MiB: a whole small-model buffer)
+# Calls timed per message of 4 MiB or more (the median counts). With 3, one profile of small read
+# the 64 MiB all-gather at 0.32 s and the next, 20 minutes later, 0.13 s (3 Dec), while the runs'
+# parameter all-gathers of that size took 0.08-0.11 s; the slope of the fit follows that point.
+LARGE_MESSAGE_ITERS = 7
 
 
 def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None:
@@ -22,7 +26,7 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
         t = torch.zeros(max(size // 4, 2), dtype=torch.float32)
         half = torch.zeros(t.numel() // 2, dtype=torch.float32)
         t = t[:2 * half.numel()].contiguous()
-        n_iter = iters if size < (4 << 20) else max(3, iters // 6)
+        n_iter = iters if size < (4 << 20) else min(iters, LARGE_MESSAGE_ITERS)
         for kind in ("p2p", "allreduce", "reduce_scatter", "all_gather"):
             times = []
             for i in range(n_iter + 2):

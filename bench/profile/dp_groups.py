@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.profile.comm import run_processes
+from bench.profile.comm import LARGE_MESSAGE_ITERS, run_processes
 from bench.profile.fit import fit_message_times
 
 DP_SIZES = (4 << 10, 4 << 20, 16 << 20, 64 << 20)     # bytes: latency, then up to a small model's buffer
@@ -44,7 +44,7 @@ def _dp_worker(rank: int, port: int, world: int, sizes: list[int], iters: int, o
                 shard = torch.zeros(full.numel() // g)
                 for kind in KINDS:
                     times = []
-                    for i in range((iters if size < (4 << 20) else 3) + 1):     # one warm-up
+                    for i in range((iters if size < (4 << 20) else min(iters, LARGE_MESSAGE_ITERS)) + 1):  # 1 warm-up
                         dist.barrier()
                         t0 = time.perf_counter()
                         if kind == "reduce_scatter":

@@ -25,7 +25,7 @@ from bench.run import machine
 from bench.run.faults import Injector
 from bench.run.progress import NONFINITE_EXIT, Progress
 from bench.metrics import peak_flops_per_device
-from systems.base import TIMELINE_KINDS, Layout, TrainContext, get_system
+from systems.base import STEP_PHASES, TIMELINE_KINDS, Layout, TrainContext, get_system
 from workloads.presets import Workload, get_workload
 from workloads.presets import MODULES
 
@@ -121,7 +121,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         # Per-rank busy and data-wait times and loss sums, gathered as plain tensors.
         grad_norm = -1.0 if result.grad_norm is None else result.grad_norm       # -1: not given
         busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum,
-                                                                     grad_norm, *sched, *gc_step]
+                                                                     grad_norm, *sched, *gc_step,
+                                                                     *(result.phase_s.get(p, -1.0) for p in STEP_PHASES)]
         gathered = [torch.zeros(len(busy), dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
         if rank == 0:
@@ -142,6 +143,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             # seconds in Python's garbage collector and full collections (bench.run.machine.GcClock)
             entry["rank_gc_s"] = [r[9] for r in per_rank]
             entry["rank_gc_full"] = [int(r[10]) for r in per_rank]
+            if all(r[11] >= 0 for r in per_rank):
+                # the system's own split of each rank's step (systems.base.STEP_PHASES), -1: not reported
+                entry["rank_phase_s"] = {p: [r[11 + i] for r in per_rank] for i, p in enumerate(STEP_PHASES)}
             norms = [r[5] for r in per_rank if r[5] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)

@@ -112,7 +112,11 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
     metrics = {**tp.as_dict(), "iteration_time_s": sim_s, "iteration_times_s": r["iteration_times_s"],
                "bubble_fraction": r["bubble_fraction"], "per_gpu_memory_gib": r["per_gpu_memory_gib"],
                "measured_iteration_time_s": meas_s, "error_pct": error, "gpus_used": r["gpus_used"],
-               "iteration_time_s_by_profile": by_profile}
+               "iteration_time_s_by_profile": by_profile,
+               # the step's two parts (bench.sim.phases): medians over the steps, then over the profiles
+               "compute_s": float(statistics.median(statistics.median(x["pipeline_times_s"]) for x in runs)),
+               "after_compute_s": float(statistics.median(statistics.median(x["after_pipeline_times_s"])
+                                                          for x in runs))}
     config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
               "processes": processes_of(record), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}
@@ -281,7 +285,9 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     pairs = [(by_id[mid], s) for mid, s in latest.items() if mid in by_id]
     rows = table_rows(pairs)
     out_md = out_md or results.parent / "validation.md"
-    out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps}))
+    from bench.sim import phases
+    out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps})
+                      + phases.markdown(phases.phase_rows(pairs)))
     for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
             f"{row['measured_s']:.4g} s (median of {row['repeats']}, ±{row['spread_pct']:.0f}%), simulated "

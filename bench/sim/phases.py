@@ -1,0 +1,64 @@
+"""Where a validation error lies: the measured steps' phases against the simulated ones.
+
+Systems that time their step's phases (systems.base.STEP_PHASES, each step's `rank_phase_s`)
+let `bench validate` split a configuration's error in two: compute = the forward/backward
+schedule up to the gradient reduction, the slowest rank's (the step waits for it), against the
+simulated schedule to the pipeline flush; after = the rest of the step (latency - data wait -
+that compute: gradient reduction, optimizer step, parameter all-gather, the harness's
+barriers) against the simulated gradient sync, optimizer and host time.
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def measured_phases(record: dict) -> dict | None:
+    """{"compute_s", "after_compute_s"}: medians over the measured steps; None if the system did
+    not time its phases."""
+    steps = [s for s in record.get("steps") or [] if not s.get("warmup") and s.get("rank_phase_s")]
+    if not steps:
+        return None
+    compute = [max(s["rank_phase_s"]["compute"]) for s in steps]
+    after = [s["latency_s"] - s.get("data_wait_s", 0.0) - c for s, c in zip(steps, compute)]
+    return {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
+
+
+def phase_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
+    """(measured, simulated) record pairs -> per configuration whose repeats all timed their
+    phases: the median over the repeats of each phase, measured and simulated, and the errors."""
+    groups: dict[str, list[tuple[dict, dict]]] = {}
+    for meas, sim in pairs:
+        groups.setdefault(meas.get("config_key") or meas["run_id"], []).append((meas, sim))
+    rows = []
+    for group in groups.values():
+        measured = [measured_phases(m) for m, _ in group]
+        if None in measured or any("compute_s" not in s["metrics"] for _, s in group):
+            continue
+        meas = group[0][0]
+        row = {"system": meas["system"], "workload": meas["workload"], "layout": str(meas["layout"].get("label")),
+               "nproc": int(meas["num_devices"]), "repeats": len(group)}
+        for key in ("compute_s", "after_compute_s"):
+            m = statistics.median(x[key] for x in measured)
+            s = statistics.median(float(sim["metrics"][key]) for _, sim in group)
+            row[key] = {"measured": m, "simulated": s, "error_pct": 100.0 * (s - m) / m if m > 0 else 0.0}
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The validation table's second section: each phase measured and simulated."""
+    if not rows:
+        return ""
+    lines = ["", "## Where the error lies", "",
+             "Configurations of systems that time their steps' phases: compute = the forward/backward schedule "
+             "up to the gradient reduction, the slowest rank's; after = the rest of the step (gradient reduction, "
+             "optimizer step, parameter all-gather, barriers; not the data wait); medians over the steps, then "
+             "over the repeats (bench/sim/phases.py).", "",
+             "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
+             "| after measured s | simulated s | error % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
+        c, a = r["compute_s"], r["after_compute_s"]
+        lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
+                     f"{c['measured']:.4g} | {c['simulated']:.4g} | {c['error_pct']:+.1f} | "
+                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} |")
+    return "\n".join(lines) + "\n"
