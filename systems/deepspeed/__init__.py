@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 
 import torch
 
@@ -191,6 +192,7 @@ class DeepSpeedSystem(SystemAdapter):
         # Entered by hand: leaving it reduces (collectives), which must not run on a rank whose
         # microbatch loop raised, or the run would hang until its timeout instead of failing.
         coalesce.__enter__()
+        start = time.perf_counter()
         for mb in microbatches:
             lm, gen = engine(mb)
             per_sample = lm + gen
@@ -205,7 +207,9 @@ class DeepSpeedSystem(SystemAdapter):
             for p in engine.module.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        coalesce.__exit__(None, None, None)
+        scheduled = time.perf_counter()
+        coalesce.__exit__(None, None, None)          # ZeRO-1/2/3: the step's coalesced gradient reduction
+        reduced = time.perf_counter()
         if self.stage >= 1:
             engine.step()
         if engine.global_steps != step + 1:
@@ -214,6 +218,9 @@ class DeepSpeedSystem(SystemAdapter):
             raise RuntimeError("DeepSpeed skipped an optimizer step (non-finite gradients)")
         # Every rank is a replica that trained on its own samples: each reports those.
         out = StepOutput()
+        if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop
+            out.phase_s = {"compute": scheduled - start, "grad_sync": reduced - scheduled,
+                           "optimizer": time.perf_counter() - reduced}
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
 
