@@ -167,6 +167,7 @@ def test_several_profiles_give_the_median_and_their_range(tmp_path):
 
 def test_phase_rows_split_the_error_between_compute_and_the_rest():
     from bench.sim.phases import markdown as phase_markdown, measured_phases, phase_rows
+    from bench.sim.validate import by_configuration
     rec = measured_record("megatron", 2, {}, 1.0)
     # per step: the slowest rank's compute, and latency - data wait - that compute
     for s, (c0, c1, wait) in zip(rec["steps"], [(0.6, 0.7, 0.1), (0.8, 0.5, 0.0), (0.65, 0.6, 0.05)]):
@@ -175,7 +176,7 @@ def test_phase_rows_split_the_error_between_compute_and_the_rest():
     assert measured_phases(rec) == pytest.approx({"compute_s": 0.7, "after_compute_s": 0.2})
     sim = {"metrics": {"compute_s": 0.63, "after_compute_s": 0.25}}
     other = measured_record("deepspeed", 2, {}, 1.0)          # no phases timed: left out
-    rows = phase_rows([(rec, sim), (other, {"metrics": {}})])
+    rows = phase_rows(by_configuration([(rec, sim), (other, {"metrics": {}})]))
     assert len(rows) == 1 and rows[0]["system"] == "megatron"
     assert rows[0]["compute_s"]["error_pct"] == pytest.approx(-10.0)
     assert rows[0]["after_compute_s"]["error_pct"] == pytest.approx(25.0)

@@ -23,14 +23,12 @@ def measured_phases(record: dict) -> dict | None:
     return {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
 
 
-def phase_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
-    """(measured, simulated) record pairs -> per configuration whose repeats all timed their
-    phases: the median over the repeats of each phase, measured and simulated, and the errors."""
-    groups: dict[str, list[tuple[dict, dict]]] = {}
-    for meas, sim in pairs:
-        groups.setdefault(meas.get("config_key") or meas["run_id"], []).append((meas, sim))
+def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
+    """(measured, simulated) record pairs grouped by configuration (bench.sim.validate.by_configuration)
+    -> per configuration whose repeats all timed their phases: the median over the repeats of each
+    phase, measured and simulated, and the errors."""
     rows = []
-    for group in groups.values():
+    for group in groups:
         measured = [measured_phases(m) for m, _ in group]
         if None in measured or any("compute_s" not in s["metrics"] for _, s in group):
             continue

@@ -147,15 +147,20 @@ def _seq(record: dict) -> int:
     return get_workload(record["workload"]).backbone.seq_length
 
 
+def by_configuration(pairs: list[tuple[dict, dict]]) -> list[list[tuple[dict, dict]]]:
+    """(measured, simulated) record pairs grouped by measured configuration (its repeats)."""
+    groups: dict[str, list[tuple[dict, dict]]] = {}
+    for meas, sim in pairs:
+        groups.setdefault(meas.get("config_key") or meas["run_id"], []).append((meas, sim))
+    return list(groups.values())
+
+
 def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
     """(measured, simulated) record pairs -> one row per measured configuration: the median of
     its repeats' step times, their spread (min..max), the simulated time (the same for every
     repeat: same steps, same samples) and the error against the median."""
-    groups: dict[str, list[tuple[dict, dict]]] = {}
-    for meas, sim in pairs:
-        groups.setdefault(meas.get("config_key") or meas["run_id"], []).append((meas, sim))
     rows = []
-    for group in groups.values():
+    for group in by_configuration(pairs):
         measured = [measured_step_s(m) for m, _ in group]
         simulated = statistics.median(float(s["metrics"]["iteration_time_s"]) for _, s in group)
         by_profile = [s["metrics"].get("iteration_time_s_by_profile") or [s["metrics"]["iteration_time_s"]]
@@ -287,7 +292,7 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     out_md = out_md or results.parent / "validation.md"
     from bench.sim import phases
     out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps})
-                      + phases.markdown(phases.phase_rows(pairs)))
+                      + phases.markdown(phases.phase_rows(by_configuration(pairs))))
     for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
             f"{row['measured_s']:.4g} s (median of {row['repeats']}, ±{row['spread_pct']:.0f}%), simulated "
