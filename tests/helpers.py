@@ -29,3 +29,13 @@ def assert_parity(record: dict, reference: dict, rel: float = 1e-4) -> None:
         if "grad_norm" in g and "grad_norm" in w:
             assert abs(g["grad_norm"] - w["grad_norm"]) <= rel * w["grad_norm"], \
                 f"step {step}: gradient norm {g['grad_norm']} vs reference {w['grad_norm']}"
+
+
+def assert_step_phases(record: dict, nproc: int) -> None:
+    """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
+    took time, and together no longer than the step."""
+    for s in record["steps"]:
+        ph = s["rank_phase_s"]
+        assert set(ph) == {"compute", "grad_sync", "optimizer"} and all(len(v) == nproc for v in ph.values())
+        assert all(x >= 0 for v in ph.values() for x in v) and min(ph["compute"]) > 0
+        assert all(sum(ph[k][r] for k in ph) <= s["latency_s"] for r in range(nproc))

@@ -112,16 +112,22 @@ def test_dp_collectives_are_read_at_the_runs_process_arrangement():
         C.ring_allreduce(2e9, 8, bw, lat))
 
 
-def test_first_pipeline_stage_reduces_its_gradients_alone():
-    """pp2-dp2 on 4 processes: the first stage's reduce-scatter runs at the 2-process arrangement
-    (the other stage waits at the gradient-norm all-reduce), its all-gather with every process."""
-    from systems.megatron.sim import _stage_sync
-    cl, params, nbytes = _dp_groups_cluster(), 1e6, 4e6
-    last = _stage_sync(KIT, 1, 2, params, 2, 1, False, cl, False, 0.0, 0.0)
-    first = _stage_sync(KIT, 0, 2, params, 2, 1, False, cl, False, 0.0, 0.0)
-    assert last == pytest.approx(0.01 + 3e-9 * nbytes + 0.02 + 1e-9 * nbytes)           # "4/2" both
-    assert first == pytest.approx(1e-3 + 1e-9 * nbytes + 0.02 + 1e-9 * nbytes)          # "2/2" RS, "4/2" AG
-    assert _stage_sync(KIT, 0, 1, params, 2, 1, False, cl, False, 0.0, 0.0) == pytest.approx(last)
+def test_pipeline_sync_after_the_flush():
+    """pp2-dp2 on 4 processes, no overlap: the first stage's reduce-scatter runs at the 2-process
+    arrangement (the other stage waits at the gradient-norm all-reduce); the last stage's
+    reduce-scatter runs during the first stage's last backward and only what outlasts it (and
+    the p2p hop) is exposed; then both stages all-gather at once, every process at work."""
+    from systems.megatron.sim import _pipeline_sync
+    cl, nbytes = _dp_groups_cluster(), 4e6
+    first_rs = 1e-3 + 1e-9 * nbytes                  # "2/2" reduce-scatter: 0.005
+    last_rs, ag = 0.01 + 3e-9 * nbytes, 0.02 + 1e-9 * nbytes          # "4/2": 0.022, 0.024
+    def sync(backward_s, link=0.0, overlap=False, dp=2):
+        return _pipeline_sync(KIT, [1e6, 1e6], dp, 1, False, cl, overlap, [0.0, 0.0], backward_s, link)
+    assert sync([0.0, 0.0]) == pytest.approx(last_rs + ag)                 # nothing to hide behind
+    assert sync([0.01, 0.0], link=0.002) == pytest.approx(last_rs - 0.012 + ag)
+    assert sync([1.0, 0.0]) == pytest.approx(first_rs + ag)                # hidden: the first stage's is left
+    # one stage: its own reduce-scatter + all-gather, every process at work
+    assert _pipeline_sync(KIT, [1e6], 2, 1, False, cl, False, [0.0], [1.0], 0.0) == pytest.approx(last_rs + ag)
 
 
 # ---------------------------------------------------------------- sequence parallelism

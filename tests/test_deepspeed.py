@@ -7,6 +7,7 @@ import pytest
 from bench.config import resolve
 from bench.run.runner import run
 from systems.base import ConfigError
+from tests.helpers import assert_step_phases
 from workloads.presets import get_workload
 
 STEPS = 5
@@ -53,11 +54,7 @@ def test_zero_reproduces_megatron(tmp_path, data_root, reference, zero_stage):
     for module in ("encoder", "backbone", "generator"):
         assert want[module] > 0
         assert moved[module] == pytest.approx(want[module], rel=1e-4), module
-    for s in record["steps"]:            # each rank's step split: microbatches, flush, engine.step()
-        ph = s["rank_phase_s"]
-        assert set(ph) == {"compute", "grad_sync", "optimizer"} and all(len(v) == 2 for v in ph.values())
-        assert all(x >= 0 for v in ph.values() for x in v) and min(ph["compute"]) > 0
-        assert all(sum(ph[k][r] for k in ph) <= s["latency_s"] for r in range(2))
+    assert_step_phases(record, 2)         # each rank's step split: microbatches, flush, engine.step()
 
 
 @pytest.mark.multiprocess

@@ -3,7 +3,7 @@ import pytest
 
 from bench.config import resolve
 from systems.base import ConfigError
-from tests.helpers import assert_parity, run_record
+from tests.helpers import assert_parity, assert_step_phases, run_record
 
 PLANS = [
     (4, "enc:1x2,llm:1x1x1,gen:1x1", "disaggregated"),   # DP fan-in at encoder -> backbone
@@ -27,6 +27,7 @@ def test_plan_reproduces_reference(tmp_path, reference, nproc, plan, placement):
     timeline = record["steps"][-1]["timeline"]
     assert {e["rank"] for e in timeline} == set(range(nproc))
     assert 0 <= record["metrics"]["bubble_fraction"] < 1
+    assert_step_phases(record, nproc)       # each module rank: its schedule, gradient sync, optimizer
 
 
 @pytest.mark.parametrize("nproc,sets,message", [

@@ -55,6 +55,7 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     assert corun["processes"] == min(os.cpu_count(), 8) and corun["seconds"] > 0 and corun["slowdown"] >= 1.0
     over = corun["oversubscribed"]                           # and two per core
     assert over["processes"] == 2 * corun["processes"] and over["seconds"] > 0 and over["slowdown"] >= 1.0
+    assert corun["cpu_slowdown"] >= 1.0 and over["cpu_slowdown"] >= 1.0
     assert p["min_seconds"] == 0.5 and p["repeats"] == 1
 
 
@@ -132,12 +133,21 @@ def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():
     from bench.profile.tp import corun_slowdowns
     # 2 cores: rank 0 alone, ranks 0-1 together, ranks 0-3 two per core; round 2 is a slow stretch
     # for everything (x1.5): its ratios are still 1.1 and 1.3, so is the result
+    # (wall seconds; two per core take twice the wall time by fair sharing alone, which is divided out)
     alone = [1.0, 1.5, 1.0]
     raw = [{"alone": alone if r == 0 else [], "together": [1.1, 1.65, 1.1] if r < 2 else [],
-            "oversubscribed": [1.3, 1.95, 1.3]} for r in range(4)]
+            "oversubscribed": [2.6, 3.9, 2.6]} for r in range(4)]
     c = corun_slowdowns(raw, 2)
     assert c["slowdown"] == pytest.approx(1.1) and c["oversubscribed"]["slowdown"] == pytest.approx(1.3)
     assert c["alone_seconds"] == 1.0 and c["processes"] == 2 and c["oversubscribed"]["processes"] == 4
+    assert "cpu_slowdown" not in c                      # no CPU seconds given
+    # CPU seconds ride along, their ratios undivided: 1.05 together, 1.2 two per core
+    for r, rank in enumerate(raw):
+        rank["cpu"] = {"alone": [1.0, 1.0, 1.0] if r == 0 else [], "together": [1.05] * 3 if r < 2 else [],
+                       "oversubscribed": [1.2] * 3}
+    c = corun_slowdowns(raw, 2)
+    assert c["cpu_slowdown"] == pytest.approx(1.05) and c["oversubscribed"]["cpu_slowdown"] == pytest.approx(1.2)
+    assert c["slowdown"] == pytest.approx(1.1)          # the wall seconds still decide
     # round 1 together caught in a slow stretch, round 3 all of it: the rounds' own ratios (1.5,
     # 1.1, 1.1) outvote it, where the medians' ratio would read 1.5 / 1.0
     raw[0]["alone"] = [1.0, 1.0, 1.5]

@@ -14,6 +14,7 @@ from bench.records import read_records
 from bench.run import machine
 from bench.run.sweep import interleaved, load_sweep
 from systems.base import ConfigError
+from tests.helpers import assert_step_phases
 
 REPO = Path(__file__).resolve().parent.parent
 TWO_ENTRIES = """
@@ -84,12 +85,7 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
             assert len(s["rank_gc_s"]) == len(s["rank_gc_full"]) == 2
             assert all(0 <= g <= s["latency_s"] for g in s["rank_gc_s"]) and all(n >= 0 for n in s["rank_gc_full"])
         assert 0 <= m["rank_gc_share"] < 1 and m["rank_gc_max_s"] >= 0
-        for s in r["steps"]:                # megatron splits each rank's step into its phases
-            ph = s["rank_phase_s"]
-            assert set(ph) == {"compute", "grad_sync", "optimizer"} and all(len(v) == 2 for v in ph.values())
-            for rank in range(2):
-                parts = [ph[k][rank] for k in ph]
-                assert all(x >= 0 for x in parts) and ph["compute"][rank] > 0 and sum(parts) <= s["latency_s"]
+        assert_step_phases(r, 2)            # megatron splits each rank's step into its phases
 
 
 def test_gc_clock_times_collections_and_counts_full_ones():

@@ -9,15 +9,20 @@ measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 second
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
-at once, and twice as many, against one alone, in CPU seconds. Processes on separate cores still
-share caches and memory bandwidth (on a VM, possibly a physical core): measured here, two copies
-took 1.00-1.29x the CPU seconds of one alone, varying between consecutive profiles of the same
-workload; the second vCPU's capacity varies over time. Two processes per core cost more again:
-each switch between them on a core refills its caches, so 4 copies on the 2 cores took 1.26-1.40x
-(tiny: ~5 ms modules) and 1.13-1.25x (small); the measured runs put up to 4 processes on 2
-cores. The simulator slows compute by these factors with that many processes busy
-(bench.sim.schedule.contention): a snapshot, like the profile's speed, which is why validation
-uses profiles taken before and after the sweep.
+at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
+share caches and memory bandwidth (on a VM, possibly a physical core), and with every core busy
+a process also waits for its core while other threads run (its helper threads, the kernel's,
+other processes'). Measured on small (3 Dec), two copies took 1.01x the CPU seconds of one alone
+but 1.09x its wall seconds; real training steps (megatron at world size 1, two processes)
+1.01-1.04x and 1.06-1.12x. The runs' ranks likewise waited for a core 4-5% of each step with
+one process per core, so the co-run is the wall-clock ratio (it was CPU seconds until then, and
+the 2-process runs ran 10-20% slower than simulated). Two processes per core cost more again:
+each switch between them on a core refills its caches, so 4 copies on the 2 cores took 1.13-1.25x
+(small) the CPU seconds of one alone. There the wall ratio is divided by the two processes' fair
+share of a core (x2), which the simulator's processor sharing already gives. The simulator slows
+compute by these factors with that many processes busy (bench.sim.schedule.contention): a
+snapshot, like the profile's speed, which is why validation uses profiles taken before and after
+the sweep.
 """
 from __future__ import annotations
 
@@ -110,10 +115,8 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
     `procs` copies at once (one per core), then all 2 x procs (two per core), CORUN_ROUNDS times
     over. Each process builds its modules once and every phase is one pass, so a round's three
     phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
-    out of the round's ratios. Each pass records the CPU seconds of its thread: with two processes
-    per core, wall time would also count the turns a process waits for its core, which the
-    simulator's processor sharing already gives. Each process is its own world of 1; the store
-    only orders the phases."""
+    out of the round's ratios. Each pass records its wall seconds and the CPU seconds of its
+    thread (corun_slowdowns). Each process is its own world of 1; the store only orders the phases."""
     import torch
     import torch.distributed as dist
     from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
@@ -131,6 +134,7 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
     teardown = init_single_process(dev)
     runs = {"alone": 1, "together": procs, "oversubscribed": total}
     times: dict[str, list[float]] = {phase: [] for phase in runs}
+    cpu: dict[str, list[float]] = {phase: [] for phase in runs}
     try:
         w = get_workload(workload, data_profile)
         batches, *_ = load_microbatches(w, seed, w.micro_batch_size, microbatches, Path(data_root), num_samples)
@@ -142,37 +146,45 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
             if rank >= runs[phase]:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+            started = time.perf_counter()
             for mb in batches:
                 run_pass(built, mb, timer, rec)
-            times[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
-        Path(f"{out_file}.{rank}").write_text(json.dumps(times))
+            times[phase].append(time.perf_counter() - started)
+            cpu[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
+        Path(f"{out_file}.{rank}").write_text(json.dumps({**times, "cpu": cpu}))
     finally:
         teardown()
         dist.destroy_process_group()
 
 
 def corun_slowdowns(raw: list[dict], procs: int) -> dict:
-    """Each rank's {"alone", "together", "oversubscribed": seconds per round} (only rank 0 runs
-    alone) -> seconds (medians) and slowdowns: the median over the rounds of the round's median
-    over the ranks / the same round's alone, at least 1 (below is noise)."""
-    alone = raw[0]["alone"]
-
-    def slowdown(phase: str) -> tuple[float, float]:
-        rounds = [statistics.median([r[phase][i] for r in raw if len(r[phase]) > i]) for i in range(len(alone))]
-        ratios = [t / a for t, a in zip(rounds, alone) if a > 0] or [1.0]
-        return statistics.median([t for r in raw for t in r[phase]]), max(1.0, statistics.median(ratios))
-    together, over = slowdown("together"), slowdown("oversubscribed")
-    return {"processes": procs, "seconds": together[0], "alone_seconds": statistics.median(alone),
-            "slowdown": together[1],
-            "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]}}
+    """Each rank's {"alone", "together", "oversubscribed": wall seconds per round, "cpu": the same
+    in CPU seconds} (only rank 0 runs alone) -> seconds (medians) and slowdowns: the median over
+    the rounds of the round's median over the ranks / the same round's alone, at least 1 (below
+    is noise). Two per core: the wall ratio over the fair share's x2 (processor sharing). The CPU
+    seconds' ratios ride along ("cpu_slowdown"), for comparison."""
+    def slowdown(runs: list[dict], phase: str, share: float) -> tuple[float, float]:
+        alone = runs[0]["alone"]
+        rounds = [statistics.median([r[phase][i] for r in runs if len(r[phase]) > i]) for i in range(len(alone))]
+        ratios = [t / a / share for t, a in zip(rounds, alone) if a > 0] or [1.0]
+        return statistics.median([t for r in runs for t in r[phase]]), max(1.0, statistics.median(ratios))
+    cpu = [r["cpu"] for r in raw] if all("cpu" in r for r in raw) else None
+    together, over = slowdown(raw, "together", 1.0), slowdown(raw, "oversubscribed", 2.0)
+    out = {"processes": procs, "seconds": together[0], "alone_seconds": statistics.median(raw[0]["alone"]),
+           "slowdown": together[1], "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]}}
+    if cpu:
+        out["cpu_slowdown"] = slowdown(cpu, "together", 1.0)[1]
+        out["oversubscribed"]["cpu_slowdown"] = slowdown(cpu, "oversubscribed", 1.0)[1]
+    return out
 
 
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
                   data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
-    """{"processes", "seconds", "alone_seconds", "slowdown", "oversubscribed": {"processes", "seconds",
-    "slowdown"}, "method"}: CPU seconds of one pass of the TP-1 modules with `processes` (= the
-    cores, at most MAX_CORUN) copies at once, and with twice as many, against one copy alone,
-    in CORUN_ROUNDS rounds (_corun_worker); slowdown: corun_slowdowns."""
+    """{"processes", "seconds", "alone_seconds", "slowdown", "cpu_slowdown", "oversubscribed":
+    {"processes", "seconds", "slowdown", "cpu_slowdown"}, "method"}: wall seconds of one pass of the
+    TP-1 modules with `processes` (= the cores, at most MAX_CORUN) copies at once, and with twice
+    as many, against one copy alone, in CORUN_ROUNDS rounds (_corun_worker); slowdowns:
+    corun_slowdowns."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "corun.json"
@@ -181,8 +193,9 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                      timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
     return {**corun_slowdowns(raw, procs),
-            "method": (f"CPU seconds (thread time) of the forwards and backwards of one pass over "
-                       f"{min(microbatches, CORUN_MICROBATCHES)} microbatches of the TP-1 modules, built once per "
-                       f"process, alone (process 0), as {procs} copies at once (one per core) and as {2 * procs} "
-                       f"(two per core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
-                       f"rounds of each round's together / alone; below 1 (noise) counts as 1")}
+            "method": (f"wall seconds of one pass over {min(microbatches, CORUN_MICROBATCHES)} microbatches of the "
+                       f"TP-1 modules' forwards and backwards, built once per process, alone (process 0), as {procs} "
+                       f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
+                       f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
+                       f"rounds of each round's together / alone; below 1 (noise) counts as 1; cpu_slowdown: the same "
+                       f"in CPU seconds (thread time), undivided")}

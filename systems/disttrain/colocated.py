@@ -124,13 +124,18 @@ class ColocatedRuntime:
                 sums += torch.tensor([lm.sum().item(), lm.sum().item(), 0.0], dtype=torch.float64)
             if self.pg["generator"].tp.rank() == 0:
                 sums += torch.tensor([g.sum().item(), 0.0, g.sum().item()], dtype=torch.float64)
+        phases = {"compute": time.perf_counter() - start, "grad_sync": 0.0, "optimizer": 0.0}
         for name in MODULES:
             t0 = time.perf_counter()
             self.models[name].finish_grad_sync()
+            t1 = time.perf_counter()
             ok, _, _ = self.optimizers[name].step()
             if not ok:
                 raise RuntimeError(f"{name} optimizer step was skipped (non-finite gradients)")
-            busy[name] += time.perf_counter() - t0
-        out = StepOutput(module_busy_s=busy, timeline=events)
+            t2 = time.perf_counter()
+            busy[name] += t2 - t0
+            phases["grad_sync"] += t1 - t0
+            phases["optimizer"] += t2 - t1
+        out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out

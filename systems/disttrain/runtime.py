@@ -164,11 +164,14 @@ class PipelineRuntime:
 
         t0 = time.perf_counter()
         self.model.finish_grad_sync()
+        t1 = time.perf_counter()
         ok, _, _ = self.optimizer.step()
-        busy += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        busy += t2 - t0
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
-        out = StepOutput(module_busy_s={self.name: busy}, timeline=events)
+        phases = {"compute": t0 - start, "grad_sync": t1 - t0, "optimizer": t2 - t1}
+        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases)
         if self.reports:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
         return out

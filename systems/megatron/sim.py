@@ -94,7 +94,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown,
                                     cluster.oversubscribed_slowdown)[0]
     m = B // dp // mbs
-    mem, sync, opt = [], [], []
+    mem, stage_params, opt = [], [], []
     for s in range(pp):
         p, chunk = 0.0, []
         for k in range(s, V, pp):            # this device's chunks
@@ -109,10 +109,12 @@ def simulate_step(layout, step, kit) -> StepCost:
             p, chunk = p + params, chunk + [a]
         act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0)
         mem.append(C.distributed_optimizer_bytes(p / tp, dp * cp, cluster.value_bytes) + act)
-        sync.append(_stage_sync(kit, s, pp, p / tp, dp * cp, mp, mp * dp > gpn, cluster, ov, hide_f[s], hide_b[s]))
+        stage_params.append(p / tp)
         opt.append(C.optimizer_time(p / tp / (dp * cp), cluster))     # distributed optimizer: a 1/(dp cp) shard
     host_s = max(opt) + C.harness_time(mp * pp * dp, cluster)
-    return StepCost(pipe, max(sync) + host_s, busy, max(mem), mp * pp * dp, first, data)
+    sync = _pipeline_sync(kit, stage_params, dp * cp, mp, mp * dp > gpn, cluster, ov, hide_f, hide_b,
+                          links[0] if links else 0.0)
+    return StepCost(pipe, sync + host_s, busy, max(mem), mp * pp * dp, first, data)
 
 
 def _per_device(x, pp: int):
@@ -134,17 +136,27 @@ def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) ->
                      forward_s=float(forward_s), backward_s=float(backward_s))
 
 
-def _stage_sync(kit, s, pp, params, dp, mp, spans, cluster, overlap, forward_s, backward_s) -> float:
-    """_dp_sync of pipeline stage `s`. 1F1B ends on the first stage: the later stages have reduced
-    their gradients and wait (no core) at clip_grad's gradient-norm all-reduce, which lines every
-    stage up for the optimizer step and parameter all-gather; so the first stage's reduce-scatter
-    (not overlapped) runs with only its own mp x dp ranks at work (timed on small-enc-heavy at
-    pp2-dp2, 4 processes on 2 cores: its finish_grad_sync ran while the other stage waited)."""
-    t = _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s)
-    if s == 0 and pp > 1 and not overlap and dp > 1:
-        t += (kit.costs.dp_sync_parts(params, dp, spans, cluster, ranks=mp * dp)[0]
-              - kit.costs.dp_sync_parts(params, dp, spans, cluster)[0])
-    return t
+def _pipeline_sync(kit, params, dp, mp, spans, cluster, overlap, forward_s, backward_s, link) -> float:
+    """Seconds of DP sync after the pipeline's flush: every stage's _dp_sync (`params`,
+    `forward_s`, `backward_s`: per stage) at once. Without overlap, 1F1B ends on the first stage:
+    a later stage s reduce-scatters as soon as its own last backward is done, while the first
+    stage still runs the last microbatch's backwards of stages s-1 .. 0 (`backward_s`, with a
+    p2p hop each), so only what outlasts them is exposed. The first stage's reduce-scatter then
+    runs with only its own mp x dp ranks at work (timed on small-enc-heavy at pp2-dp2, 4
+    processes on 2 cores: its finish_grad_sync ran while the other stage waited). Megatron's
+    gradient-norm all-reduce lines every stage up after its reduce-scatter; then all stages
+    all-gather their parameters at once. (Measured on small at pp2-dp2: booking each stage's
+    reduce-scatter + all-gather after the flush overpredicted the time after the schedule 2x.)"""
+    pp = len(params)
+    if overlap or pp == 1 or dp <= 1:
+        return max(_dp_sync(kit, params[s], dp, spans, cluster, overlap, forward_s[s], backward_s[s])
+                   for s in range(pp))
+    C = kit.costs
+    parts = [C.dp_sync_parts(p, dp, spans, cluster) for p in params]
+    first_rs = C.dp_sync_parts(params[0], dp, spans, cluster, ranks=mp * dp)[0]
+    lead = np.concatenate([[0.0], np.cumsum(np.asarray(backward_s[:-1], dtype=np.float64) + link)])
+    exposed_rs = max([float(first_rs)] + [max(0.0, float(parts[s][0]) - lead[s]) for s in range(1, pp)])
+    return exposed_rs + max(float(ag) for _, ag in parts)
 
 
 def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool, sp: bool = False, vpp: int = 1,
@@ -194,8 +206,7 @@ def _estimate(w, st, cluster, kit, parts, tp, pp, dp, vpp, overlap, cp) -> float
             return float("inf")
     hidden, seq = w.backbone.hidden_size, w.backbone.seq_length
     link = float(C.p2p_time(st.mbs * seq, hidden, mp, cluster, mp * dp >= gpn)) if pp > 1 else 0.0
-    sync = max(_stage_sync(kit, s, pp, params[s] / tp, dp * cp, mp, mp * dp > gpn, cluster, overlap, t_f[s], t_b[s])
-               for s in range(pp))
+    sync = _pipeline_sync(kit, list(params / tp), dp * cp, mp, mp * dp > gpn, cluster, overlap, t_f, t_b, link)
     return I.estimate(t_f + t_b, link, m, vpp) + sync
 
 
