@@ -148,6 +148,12 @@ def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():
     c = corun_slowdowns(raw, 2)
     assert c["cpu_slowdown"] == pytest.approx(1.05) and c["oversubscribed"]["cpu_slowdown"] == pytest.approx(1.2)
     assert c["slowdown"] == pytest.approx(1.1)          # the wall seconds still decide
+    raw[1]["together"] = [1.2, 1.65, 1.0]               # the slowest rank of each round: 1.2, 1.1, 1.1
+    raw[1]["oversubscribed"] = [2.8, 3.9, 2.6]          # 1.4, 1.3, 1.3 after the fair share
+    c = corun_slowdowns(raw, 2)
+    assert c["slowdown"] == pytest.approx(1.1) and c["oversubscribed"]["slowdown"] == pytest.approx(1.3)
+    raw[0]["together"] = [1.2, 1.8, 1.1]                # 1.2, 1.2, 1.1
+    assert corun_slowdowns(raw, 2)["slowdown"] == pytest.approx(1.2)
     # round 1 together caught in a slow stretch, round 3 all of it: the rounds' own ratios (1.5,
     # 1.1, 1.1) outvote it, where the medians' ratio would read 1.5 / 1.0
     raw[0]["alone"] = [1.0, 1.0, 1.5]

@@ -291,7 +291,7 @@ def _measure_corun(w, *, log, **kw) -> dict | None:
     except (RuntimeError, OSError) as e:
         log(f"[profile]   side-by-side slowdown not measured: {e}")
         return None
-    log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x the CPU seconds of one alone; "
+    log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x the wall seconds of one alone; "
         f"{out['oversubscribed']['processes']} (two per core): {out['oversubscribed']['slowdown']:.3f}x")
     return out
 

@@ -15,8 +15,9 @@ a process also waits for its core while other threads run (its helper threads, t
 other processes'). Measured on small (3 Dec), two copies took 1.01x the CPU seconds of one alone
 but 1.09x its wall seconds; real training steps (megatron at world size 1, two processes)
 1.01-1.04x and 1.06-1.12x. The runs' ranks likewise waited for a core 4-5% of each step with
-one process per core, so the co-run is the wall-clock ratio (it was CPU seconds until then, and
-the 2-process runs ran 10-20% slower than simulated). Two processes per core cost more again:
+one process per core, so the co-run is the wall-clock ratio, of the slowest copy (a step waits
+for its slowest rank; it was the median copy's CPU seconds until then, and the 2-process runs
+ran 10-20% slower than simulated). Two processes per core cost more again:
 each switch between them on a core refills its caches, so 4 copies on the 2 cores took 1.13-1.25x
 (small) the CPU seconds of one alone. There the wall ratio is divided by the two processes' fair
 share of a core (x2), which the simulator's processor sharing already gives. The simulator slows
@@ -160,12 +161,15 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
 def corun_slowdowns(raw: list[dict], procs: int) -> dict:
     """Each rank's {"alone", "together", "oversubscribed": wall seconds per round, "cpu": the same
     in CPU seconds} (only rank 0 runs alone) -> seconds (medians) and slowdowns: the median over
-    the rounds of the round's median over the ranks / the same round's alone, at least 1 (below
-    is noise). Two per core: the wall ratio over the fair share's x2 (processor sharing). The CPU
-    seconds' ratios ride along ("cpu_slowdown"), for comparison."""
+    the rounds of the round's slowest rank / the same round's alone, at least 1 (below is noise).
+    The slowest, because a training step waits for its slowest rank, and busy processes jitter
+    apart: in rounds of real training steps side by side (small, 3 Dec) the slowest of 2 took
+    1.08-1.21x one alone where their median took 1.06-1.12x. Two per core: the wall ratio over
+    the fair share's x2 (processor sharing). The CPU seconds' ratios ride along ("cpu_slowdown"),
+    for comparison."""
     def slowdown(runs: list[dict], phase: str, share: float) -> tuple[float, float]:
         alone = runs[0]["alone"]
-        rounds = [statistics.median([r[phase][i] for r in runs if len(r[phase]) > i]) for i in range(len(alone))]
+        rounds = [max(r[phase][i] for r in runs if len(r[phase]) > i) for i in range(len(alone))]
         ratios = [t / a / share for t, a in zip(rounds, alone) if a > 0] or [1.0]
         return statistics.median([t for r in runs for t in r[phase]]), max(1.0, statistics.median(ratios))
     cpu = [r["cpu"] for r in raw] if all("cpu" in r for r in raw) else None
@@ -197,5 +201,5 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                        f"TP-1 modules' forwards and backwards, built once per process, alone (process 0), as {procs} "
                        f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
                        f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
-                       f"rounds of each round's together / alone; below 1 (noise) counts as 1; cpu_slowdown: the same "
+                       f"rounds of each round's slowest copy / alone; below 1 (noise) counts as 1; cpu_slowdown: the same "
                        f"in CPU seconds (thread time), undivided")}
