@@ -34,8 +34,7 @@ def assert_parity(record: dict, reference: dict, rel: float = 1e-4) -> None:
 # Each rank times its own step while rank 0 times the step's latency, and ranks leave the step's
 # opening barrier apart on a busy CPU: a disttrain rank's phases summed to 26 ms (9%) more than the
 # latency (tiny, 4 processes on 2 cores), more under load. A phase counted twice would be ~2x.
-BARRIER_SKEW = 1.2
-BARRIER_SKEW_S = 0.05
+SKEW_RATIO, SKEW_S = 1.2, 0.05
 
 
 def assert_step_phases(record: dict, nproc: int) -> None:
@@ -47,4 +46,4 @@ def assert_step_phases(record: dict, nproc: int) -> None:
         assert set(ph) == {"compute", "grad_sync", "optimizer"} and all(len(v) == nproc for v in ph.values())
         assert all(x >= 0 for v in ph.values() for x in v) and min(ph["compute"]) > 0
         sums = [sum(ph[k][r] for k in ph) for r in range(nproc)]
-        assert 0.5 * s["latency_s"] <= max(sums) <= BARRIER_SKEW * s["latency_s"] + BARRIER_SKEW_S, (sums, s["latency_s"])
+        assert 0.5 * s["latency_s"] <= max(sums) <= SKEW_RATIO * s["latency_s"] + SKEW_S, (sums, s["latency_s"])

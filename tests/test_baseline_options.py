@@ -121,8 +121,8 @@ def test_pipeline_sync_after_the_flush():
     cl, nbytes = _dp_groups_cluster(), 4e6
     first_rs = 1e-3 + 1e-9 * nbytes                  # "2/2" reduce-scatter: 0.005
     last_rs, ag = 0.01 + 3e-9 * nbytes, 0.02 + 1e-9 * nbytes          # "4/2": 0.022, 0.024
-    def sync(backward_s, link=0.0, overlap=False, dp=2):
-        return _pipeline_sync(KIT, [1e6, 1e6], dp, 1, False, cl, overlap, [0.0, 0.0], backward_s, link)
+    def sync(backward_s, link=0.0):
+        return _pipeline_sync(KIT, [1e6, 1e6], 2, 1, False, cl, False, [0.0, 0.0], backward_s, link)
     assert sync([0.0, 0.0]) == pytest.approx(last_rs + ag)                 # nothing to hide behind
     assert sync([0.01, 0.0], link=0.002) == pytest.approx(last_rs - 0.012 + ag)
     assert sync([1.0, 0.0]) == pytest.approx(first_rs + ag)                # hidden: the first stage's is left

@@ -122,6 +122,7 @@ class PipelineRuntime:
         start = time.perf_counter()
         events, busy = [], 0.0
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.mp.dp, self.rows)
+        loaded = time.perf_counter()        # the schedule's phase starts here: data wait is its own
         self.sums = torch.zeros(3, dtype=torch.float64)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -170,7 +171,7 @@ class PipelineRuntime:
         busy += t2 - t0
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
-        phases = {"compute": t0 - start, "grad_sync": t1 - t0, "optimizer": t2 - t1}
+        phases = {"compute": t0 - loaded, "grad_sync": t1 - t0, "optimizer": t2 - t1}
         out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases)
         if self.reports:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
