@@ -54,8 +54,10 @@ def _operands(m: int, n: int, k: int, kind: str, device, dtype):
 
 
 def time_gemms(shapes, *, device: str = "cpu", dtype: str = "fp32", repeats: int = 7, warmup: int = 2,
-               min_s: float = 2e-3, kinds=KINDS) -> list[dict]:
-    """[{m, n, k, <kind>_s: median seconds of one GEMM}] for each (m, n, k) in `shapes`."""
+               min_s: float = 2e-3, kinds=KINDS, allocations: int = 1) -> list[dict]:
+    """[{m, n, k, <kind>_s: seconds of one GEMM}] for each (m, n, k) in `shapes`: the fastest of
+    `repeats` rounds, or with `allocations` > 1 the median over that many fresh operand sets of
+    each set's fastest (the rounds split among them)."""
     import torch
     dev = torch.device(device)
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -83,14 +85,25 @@ def time_gemms(shapes, *, device: str = "cpu", dtype: str = "fp32", repeats: int
         for j in jobs:
             fastest[j] = min(fastest[j], once(*ops[j], 1))
     inner = {j: max(1, math.ceil(min_s / max(t, 1e-9))) for j, t in fastest.items()}
+    # Fresh operands per set: where a tensor lands in memory moved one 256^3 GEMM's fastest of 15
+    # by 13% between allocations here (cache-set aliasing), which no number of rounds averages out.
+    allocations = max(1, min(allocations, repeats))
     samples: dict = {j: [] for j in jobs}
-    for _ in range(repeats):
+    fastest_per_set: dict = {j: [] for j in jobs}
+    for a in range(allocations):
+        if a:
+            ops = {j: _operands(*j[0], j[1], dev, tdtype) for j in jobs}
+        rounds = repeats // allocations + (a < repeats % allocations)
+        for _ in range(rounds):
+            for j in jobs:
+                samples[j].append(once(*ops[j], inner[j]))
         for j in jobs:
-            samples[j].append(once(*ops[j], inner[j]))
+            fastest_per_set[j].append(min(samples[j][-rounds:]))
     rows = {}
     for (s, kind), ts in samples.items():
         row = rows.setdefault(s, {"m": s[0], "n": s[1], "k": s[2]})
-        row[f"{kind}_s"], row[f"{kind}_median_s"] = min(ts), statistics.median(ts)
+        row[f"{kind}_s"] = statistics.median(fastest_per_set[(s, kind)])
+        row[f"{kind}_median_s"] = statistics.median(ts)
     return list(rows.values())
 
 
