@@ -283,8 +283,8 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
     nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
     measured = (cluster.host or {}).get("dp_sync")
     if measured:
-        ranks = ranks or cluster.host.get("processes") or dp
-        at = measured.get(f"{ranks}/{dp}")
+        ranks = int(round(ranks or cluster.host.get("processes") or dp))    # a float from an array must find "2/2"
+        at = measured.get(f"{ranks}/{int(dp)}")
         if at:
             return tuple(at[k]["latency_s"] + nbytes * at[k]["s_per_byte"] for k in (gradient, "all_gather"))
         pair = measured["2/2"]
