@@ -84,6 +84,7 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
         for s in r["steps"]:                # time in Python's garbage collector, per rank
             assert len(s["rank_gc_s"]) == len(s["rank_gc_full"]) == 2
             assert all(0 <= g <= s["latency_s"] for g in s["rank_gc_s"]) and all(n >= 0 for n in s["rank_gc_full"])
+            assert len(s["rank_data_wait_s"]) == 2 and max(s["rank_data_wait_s"]) == s["data_wait_s"]
         assert 0 <= m["rank_gc_share"] < 1 and m["rank_gc_max_s"] >= 0
         assert_step_phases(r, 2)            # megatron splits each rank's step into its phases
 

@@ -182,3 +182,8 @@ def test_phase_rows_split_the_error_between_compute_and_the_rest():
     assert rows[0]["after_compute_s"]["error_pct"] == pytest.approx(25.0)
     assert "| megatron | tiny | tp1-pp1-dp2 | 2 | 1 | 0.7 | 0.63 | -10.0 | 0.2 | 0.25 | +25.0 |" in phase_markdown(rows)
     assert phase_markdown([]) == ""
+    # per-rank data waits: the schedules end when the latest rank's wait + compute does (rank 0
+    # waited long and computed little; the slowest wait plus the slowest compute overshoot)
+    step = {"latency_s": 1.0, "data_wait_s": 0.5, "rank_data_wait_s": [0.5, 0.0],
+            "rank_phase_s": {"compute": [0.3, 0.6], "grad_sync": [0.1, 0.3], "optimizer": [0.1, 0.1]}}
+    assert measured_phases({"steps": [step]}) == pytest.approx({"compute_s": 0.6, "after_compute_s": 0.2})

@@ -131,6 +131,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
                 "step": step, "warmup": step < cfg.warmup, "latency_s": latency,
                 "loss": losses[0].item(), "lm_loss": losses[1].item(), "gen_loss": losses[2].item(),
                 "data_wait_s": max(r[3] for r in per_rank),
+                "rank_data_wait_s": [r[3] for r in per_rank],
                 "rank_busy_s": [sum(r[:3]) for r in per_rank],
                 "module_busy_s": {m: max(r[i] for r in per_rank) for i, m in enumerate(MODULES)},
             }

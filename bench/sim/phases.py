@@ -3,9 +3,10 @@
 Systems that time their step's phases (systems.base.STEP_PHASES, each step's `rank_phase_s`)
 let `bench validate` split a configuration's error in two: compute = the forward/backward
 schedule up to the gradient reduction, the slowest rank's (the step waits for it), against the
-simulated schedule to the pipeline flush; after = the rest of the step (latency - data wait -
-that compute: gradient reduction, optimizer step, parameter all-gather, the harness's
-barriers) against the simulated gradient sync, optimizer and host time.
+simulated schedule to the pipeline flush; after = the rest of the step, from the last rank's end
+of its schedule (its data wait + compute) to the step's end: gradient reduction, optimizer step,
+parameter all-gather, the harness's barriers; against the simulated gradient sync, optimizer
+and host time.
 """
 from __future__ import annotations
 
@@ -19,8 +20,19 @@ def measured_phases(record: dict) -> dict | None:
     if not steps:
         return None
     compute = [max(s["rank_phase_s"]["compute"]) for s in steps]
-    after = [s["latency_s"] - s.get("data_wait_s", 0.0) - c for s, c in zip(steps, compute)]
+    after = [s["latency_s"] - _schedules_end(s) for s in steps]
     return {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
+
+
+def _schedules_end(step: dict) -> float:
+    """When the last rank ended its schedule: each rank loads its data, then runs it, so the
+    latest of data wait + compute per rank. Ranks' data waits differ (a DeepSpeed rank waited
+    2.1 s while the slowest schedule's rank waited ~0.1 s: the slowest wait plus the slowest
+    schedule read the step's end before its start). Records without per-rank data waits: those two."""
+    compute, waits = step["rank_phase_s"]["compute"], step.get("rank_data_wait_s")
+    if waits and len(waits) == len(compute):
+        return max(w + c for w, c in zip(waits, compute))
+    return step.get("data_wait_s", 0.0) + max(compute)
 
 
 def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
