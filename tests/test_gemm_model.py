@@ -8,7 +8,7 @@ from itertools import product
 import numpy as np
 import pytest
 
-from bench.profile.gemm import KINDS, predict_s, time_gemms
+from bench.profile.gemm import CPU_GEMM_SETS, KINDS, gemm_table, predict_s, time_gemms
 from bench.sim import costs as C
 from bench.sim import gemm as G
 from bench.sim.cluster import CLUSTERS, Cluster, cluster_from_profile, cpu_cluster
@@ -128,6 +128,18 @@ def test_a_measured_gpu_table_drives_the_cluster():
 
 
 # ---------------------------------------------------------------- measured on this CPU
+
+def test_cpu_gemm_table_times_several_operand_sets():
+    """Each shape's time is the median of each operand set's fastest: never above the median of all
+    its rounds (with equal sets, two of three sets' rounds lie at or above the middle minimum)."""
+    table = gemm_table((32, 64))
+    assert table["operand_sets"] == CPU_GEMM_SETS and table["repeats"] >= 4 * CPU_GEMM_SETS
+    assert len(table["rows"]) == 8
+    for row in table["rows"]:
+        for kind in KINDS:
+            assert 0 < row[f"{kind}_s"] <= row[f"{kind}_median_s"]
+    assert len(time_gemms([(32, 32, 32)], repeats=2, allocations=5)) == 1      # more sets than rounds: one round each
+
 
 def test_gemm_table_predicts_a_held_back_shape_within_10_percent():
     """Time a 3^3 grid and two interior shapes that are not on it side by side (one round-robin,

@@ -6,7 +6,8 @@ weight [k, n]): forward [m, k] x [k, n], activation gradient (dgrad) [m, n] x [n
 gradient (wgrad) [k, m] x [m, n]. Each is timed on its own because their memory access
 differs (wgrad reduces over the long token axis m).
 
-Timing: operands allocated once per shape; `warmup` untimed rounds (allocator, BLAS
+Timing: operands allocated once per shape (or `allocations` times, the rounds split among the
+sets, each shape's time the median of each set's fastest); `warmup` untimed rounds (allocator, BLAS
 dispatch, cuda kernel selection); then `repeats` rounds, each visiting every shape in turn
 (round-robin, so a burst of load hits a different shape each round), and per shape the
 fastest round (`<kind>_s`, what the model uses) and the median (`<kind>_median_s`, recorded).
@@ -41,7 +42,7 @@ import numpy as np
 KINDS = ("forward", "dgrad", "wgrad")
 # Per-axis grid values. CPU: 32-1024 covers most of the CPU workloads' GEMMs (hidden 64-384,
 # FFN up to 1536, head dim 16-64, tokens per call up to a few thousand; outside, the rate is
-# clamped) and times in ~13 s with one thread (7 repeats). GPU: up to 16384 for paper-scale
+# clamped) and times in ~21 s with one thread (12 rounds in 3 operand sets). GPU: up to 16384 for paper-scale
 # layers at TP 1 (an assumption of what suffices: no GPU was at hand to time it).
 CPU_GRID = (32, 64, 128, 256, 512, 1024)
 CUDA_GRID = (64, 256, 1024, 4096, 16384)
@@ -92,6 +93,7 @@ def time_gemms(shapes, *, device: str = "cpu", dtype: str = "fp32", repeats: int
     fastest_per_set: dict = {j: [] for j in jobs}
     for a in range(allocations):
         if a:
+            ops.clear()                  # free the last set first: peak memory stays one set
             ops = {j: _operands(*j[0], j[1], dev, tdtype) for j in jobs}
         rounds = repeats // allocations + (a < repeats % allocations)
         for _ in range(rounds):
@@ -107,19 +109,28 @@ def time_gemms(shapes, *, device: str = "cpu", dtype: str = "fp32", repeats: int
     return list(rows.values())
 
 
+# Operand sets of the CPU table (time_gemms' `allocations`), 4 rounds each: an unlucky allocation
+# moved a GEMM by 13% here. The GPU table keeps one set (its script's time budget, large operands).
+CPU_GEMM_SETS = 3
+
+
 def gemm_table(grid=None, *, device: str = "cpu", dtype: str = "fp32", repeats: int = 7, threads=None,
                log=None) -> dict:
-    """The profile's `gemm` entry: every (m, n, k) of grid^3 timed by `time_gemms`."""
+    """The profile's `gemm` entry: every (m, n, k) of grid^3 timed by `time_gemms` (on the CPU,
+    CPU_GEMM_SETS operand sets of at least 4 rounds each)."""
     import torch
     grid = tuple(sorted(grid or (CUDA_GRID if device == "cuda" else CPU_GRID)))
     if len(grid) < 2:
         raise ValueError(f"a GEMM grid needs at least 2 sizes per axis to interpolate, got {grid}")
     started = time.perf_counter()
-    rows = time_gemms(list(product(grid, grid, grid)), device=device, dtype=dtype, repeats=repeats)
+    sets = CPU_GEMM_SETS if device == "cpu" else 1
+    repeats = max(repeats, 4 * sets) if sets > 1 else repeats
+    rows = time_gemms(list(product(grid, grid, grid)), device=device, dtype=dtype, repeats=repeats, allocations=sets)
     table = {"device": device, "dtype": dtype, "threads": threads or torch.get_num_threads(), "grid": list(grid),
-             "repeats": repeats, "rows": rows, "elapsed_s": time.perf_counter() - started,
+             "repeats": repeats, "operand_sets": sets, "rows": rows, "elapsed_s": time.perf_counter() - started,
              "method": ("torch.matmul per shape and kind (forward [m,k]x[k,n], dgrad [m,n]x[n,k], wgrad "
-                        "[k,m]x[m,n]); round-robin over shapes after warm-up, fastest of repeats (median recorded); "
+                        "[k,m]x[m,n]); round-robin over shapes after warm-up, fastest of repeats (median recorded); with "
+                        f"{sets} operand sets the median of each set's fastest; "
                         "predicted between grid points by bench.profile.gemm.predict_s")}
     table["leave_one_out_error"] = loo = leave_one_out_error(table)
     if log:
