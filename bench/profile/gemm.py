@@ -124,7 +124,7 @@ def gemm_table(grid=None, *, device: str = "cpu", dtype: str = "fp32", repeats: 
         raise ValueError(f"a GEMM grid needs at least 2 sizes per axis to interpolate, got {grid}")
     started = time.perf_counter()
     sets = CPU_GEMM_SETS if device == "cpu" else 1
-    repeats = max(repeats, 4 * sets) if sets > 1 else repeats
+    repeats = max(repeats, 4 * sets)
     rows = time_gemms(list(product(grid, grid, grid)), device=device, dtype=dtype, repeats=repeats, allocations=sets)
     table = {"device": device, "dtype": dtype, "threads": threads or torch.get_num_threads(), "grid": list(grid),
              "repeats": repeats, "operand_sets": sets, "rows": rows, "elapsed_s": time.perf_counter() - started,
