@@ -172,7 +172,7 @@ def test_gloo_comm_measurement():
         assert c[kind]["latency_s"] >= 0 and 0 < c[kind]["bandwidth_Bps"] < 1e15 and len(c[kind]["points"]) == 3
     json.dumps(c, allow_nan=False)
     from bench.profile.dp_groups import measure_dp_groups   # 4 processes in DP groups of 2 and of 4
-    g = measure_dp_groups(4, sizes=(1024, 1 << 20, 2 << 20), iters=2)
+    g = measure_dp_groups(4, sizes=(1024, 1 << 20, 2 << 20), rounds=2)
     assert sorted(g) == ["4/2", "4/4", "method"]
     for key in ("4/2", "4/4"):
         for kind in ("reduce_scatter", "all_gather", "allreduce"):
