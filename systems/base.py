@@ -111,6 +111,9 @@ class StepOutput:
     timeline: list[TimelineEvent] = field(default_factory=list)     # only if records_timeline
     # seconds of this rank's step in each of STEP_PHASES; empty if the system does not split its step
     phase_s: dict[str, float] = field(default_factory=dict)
+    # CPU seconds of the training thread over the "compute" phase (time.thread_time); against the
+    # simulated schedule's work it says how much slower the ranks computed side by side; -1: not timed
+    compute_cpu_s: float = -1.0
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,13 @@ SKEW_RATIO, SKEW_S = 1.2, 0.05
 def assert_step_phases(record: dict, nproc: int) -> None:
     """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
     took time, together no longer than the step (up to the ranks' skew) and, for the slowest
-    rank, most of it."""
+    rank, most of it; and timed its schedule's CPU seconds: some, and no more than one thread
+    can spend in the schedule's wall seconds."""
     for s in record["steps"]:
         ph = s["rank_phase_s"]
         assert set(ph) == {"compute", "grad_sync", "optimizer"} and all(len(v) == nproc for v in ph.values())
         assert all(x >= 0 for v in ph.values() for x in v) and min(ph["compute"]) > 0
         sums = [sum(ph[k][r] for k in ph) for r in range(nproc)]
         assert 0.5 * s["latency_s"] <= max(sums) <= SKEW_RATIO * s["latency_s"] + SKEW_S, (sums, s["latency_s"])
+        cpu = s["rank_compute_cpu_s"]
+        assert len(cpu) == nproc and all(0 < c <= w + 0.01 for c, w in zip(cpu, ph["compute"])), (cpu, ph["compute"])

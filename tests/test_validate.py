@@ -72,7 +72,7 @@ def test_validation_appends_tagged_records_and_a_table(setup):
         validate_record(s)
         assert s["tags"]["experiment"] == "validation" and "assumptions" in s
         m = s["metrics"]
-        assert m["iteration_time_s"] > 0 and m["compute_s"] > 0 and m["after_compute_s"] >= 0
+        assert m["iteration_time_s"] > 0 and m["compute_s"] > 0 and m["after_compute_s"] >= 0 and m["compute_work_s"] > 0
         assert m["error_pct"] == pytest.approx(100 * (m["iteration_time_s"] - m["measured_iteration_time_s"])
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
@@ -187,3 +187,23 @@ def test_phase_rows_split_the_error_between_compute_and_the_rest():
     step = {"latency_s": 1.0, "data_wait_s": 0.5, "rank_data_wait_s": [0.5, 0.0],
             "rank_phase_s": {"compute": [0.3, 0.6], "grad_sync": [0.1, 0.3], "optimizer": [0.1, 0.1]}}
     assert measured_phases({"steps": [step]}) == pytest.approx({"compute_s": 0.6, "after_compute_s": 0.2})
+
+
+def test_phase_rows_set_the_ranks_schedule_cpu_against_the_simulated_work():
+    from bench.sim.phases import markdown as phase_markdown, measured_phases, phase_rows
+    from bench.sim.validate import by_configuration
+    rec = measured_record("megatron", 2, {}, 1.0)
+    for s, cpu in zip(rec["steps"], [(0.5, 0.6), (0.7, 0.6), (0.4, 0.5)]):    # sums 1.1, 1.3, 0.9
+        s["rank_phase_s"] = {"compute": [0.6, 0.7], "grad_sync": [0.1, 0.1], "optimizer": [0.05, 0.05]}
+        s["rank_compute_cpu_s"] = list(cpu)
+    assert measured_phases(rec)["compute_cpu_s"] == pytest.approx(1.1)       # median of the ranks' sums
+    rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
+                                                           "compute_work_s": 1.0}})]))
+    assert rows[0]["compute_cpu"] == pytest.approx({"measured": 1.1, "work": 1.0, "ratio": 1.1})
+    assert "| 1.1 / 1 = 1.10 |" in phase_markdown(rows)
+    # a step without the ranks' CPU seconds: none for the record, an empty cell
+    del rec["steps"][1]["rank_compute_cpu_s"]
+    assert "compute_cpu_s" not in measured_phases(rec)
+    rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
+                                                           "compute_work_s": 1.0}})]))
+    assert "compute_cpu" not in rows[0] and phase_markdown(rows).rstrip().endswith("|  |")

@@ -122,7 +122,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         grad_norm = -1.0 if result.grad_norm is None else result.grad_norm       # -1: not given
         busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum,
                                                                      grad_norm, *sched, *gc_step,
-                                                                     *(result.phase_s.get(p, -1.0) for p in STEP_PHASES)]
+                                                                     *(result.phase_s.get(p, -1.0) for p in STEP_PHASES),
+                                                                     result.compute_cpu_s]
         gathered = [torch.zeros(len(busy), dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
         if rank == 0:
@@ -147,6 +148,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             if all(r[11] >= 0 for r in per_rank):
                 # the system's own split of each rank's step (systems.base.STEP_PHASES), -1: not reported
                 entry["rank_phase_s"] = {p: [r[11 + i] for r in per_rank] for i, p in enumerate(STEP_PHASES)}
+            cpu_at = 11 + len(STEP_PHASES)
+            if all(r[cpu_at] >= 0 for r in per_rank):
+                entry["rank_compute_cpu_s"] = [r[cpu_at] for r in per_rank]      # StepOutput.compute_cpu_s
             norms = [r[5] for r in per_rank if r[5] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)

@@ -6,7 +6,10 @@ schedule up to the gradient reduction, the slowest rank's (the step waits for it
 simulated schedule to the pipeline flush; after = the rest of the step, from the last rank's end
 of its schedule (its data wait + compute) to the step's end: gradient reduction, optimizer step,
 parameter all-gather, the harness's barriers; against the simulated gradient sync, optimizer
-and host time.
+and host time. Where the ranks also timed their schedule's CPU seconds (`rank_compute_cpu_s`),
+their sum over the ranks against the simulated schedule's work (device-seconds, each operation
+priced alone) says how much more CPU the same work took with the ranks side by side: the co-run
+slowdown the step actually met, to set beside the profile's (bench.profile.tp).
 """
 from __future__ import annotations
 
@@ -14,14 +17,18 @@ import statistics
 
 
 def measured_phases(record: dict) -> dict | None:
-    """{"compute_s", "after_compute_s"}: medians over the measured steps; None if the system did
-    not time its phases."""
+    """{"compute_s", "after_compute_s"[, "compute_cpu_s"]}: medians over the measured steps (the
+    last: of the ranks' summed schedule CPU seconds, where every step has them); None if the
+    system did not time its phases."""
     steps = [s for s in record.get("steps") or [] if not s.get("warmup") and s.get("rank_phase_s")]
     if not steps:
         return None
     compute = [max(s["rank_phase_s"]["compute"]) for s in steps]
     after = [s["latency_s"] - _schedules_end(s) for s in steps]
-    return {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
+    out = {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
+    if all(s.get("rank_compute_cpu_s") for s in steps):
+        out["compute_cpu_s"] = statistics.median(sum(s["rank_compute_cpu_s"]) for s in steps)
+    return out
 
 
 def _schedules_end(step: dict) -> float:
@@ -51,6 +58,10 @@ def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
             m = statistics.median(x[key] for x in measured)
             s = statistics.median(float(sim["metrics"][key]) for _, sim in group)
             row[key] = {"measured": m, "simulated": s, "error_pct": 100.0 * (s - m) / m if m > 0 else 0.0}
+        if all("compute_cpu_s" in x for x in measured) and all("compute_work_s" in s["metrics"] for _, s in group):
+            cpu = statistics.median(x["compute_cpu_s"] for x in measured)
+            work = statistics.median(float(sim["metrics"]["compute_work_s"]) for _, sim in group)
+            row["compute_cpu"] = {"measured": cpu, "work": work, "ratio": cpu / work if work > 0 else None}
         rows.append(row)
     return rows
 
@@ -63,12 +74,17 @@ def markdown(rows: list[dict]) -> str:
              "Configurations of systems that time their steps' phases: compute = the forward/backward schedule "
              "up to the gradient reduction, the slowest rank's; after = the rest of the step (gradient reduction, "
              "optimizer step, parameter all-gather, barriers; not the data wait); medians over the steps, then "
-             "over the repeats (bench/sim/phases.py).", "",
+             "over the repeats (bench/sim/phases.py). Schedule CPU = the ranks' CPU seconds in their "
+             "schedules (training threads, summed over the ranks) over the simulated schedule's work "
+             "(device-seconds, each operation priced alone): how much more CPU the work took side by side.", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
-             "| after measured s | simulated s | error % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| after measured s | simulated s | error % | schedule CPU s / work s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
-        c, a = r["compute_s"], r["after_compute_s"]
+        c, a, u = r["compute_s"], r["after_compute_s"], r.get("compute_cpu")
+        cpu = (f"{u['measured']:.4g} / {u['work']:.4g} = {u['ratio']:.2f}" if u and u["ratio"] is not None
+               else "")
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
                      f"{c['measured']:.4g} | {c['simulated']:.4g} | {c['error_pct']:+.1f} | "
-                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} |")
+                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} | {cpu} |")
     return "\n".join(lines) + "\n"

@@ -60,7 +60,7 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
     batches = list(steps) if steps is not None else list(range(num_batches))
     num_batches = len(batches)
     times, waits, bubbles, mems, total, first = [], [], [], [], ModuleFlops(0, 0, 0), []
-    pipes, afters = [], []
+    pipes, afters, works = [], [], []
     for i, step in enumerate(batches):
         metas = draw_batch(w, B, seed, step, num_samples)
         bc = C.batch_costs(w, metas)
@@ -72,6 +72,7 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
         times.append(step_s + waits[-1])
         pipes.append(cost.pipeline_s)
         afters.append(cost.sync_and_host_s)
+        works.append(cost.busy_device_s)
         used, pipe = cost.devices_used, cost.pipeline_s
         bubbles.append(1.0 - cost.busy_device_s / (used * pipe) if pipe > 0 else 0.0)
         mems.append(cost.memory_bytes)
@@ -86,6 +87,8 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
         "num_gpus": num_gpus, "gpus_used": used, "iteration_time_s": step_time, "iteration_times_s": times,
         # each step's schedule to the pipeline flush, and what follows it (gradient sync, optimizer, host)
         "pipeline_times_s": pipes, "after_pipeline_times_s": afters,
+        # each step's schedule as work: device-seconds of compute, each operation priced alone
+        "schedule_work_s": works,
         "bubble_fraction": float(np.mean(bubbles)), "per_gpu_memory_gib": float(mem / 2 ** 30),
         "feasible": bool(mem <= cluster.memory_bytes), "reorder": reorder, "global_batch_size": B,
         "data_wait_fraction": float(np.sum(waits) / np.sum(times)) if np.sum(times) > 0 else 0.0,

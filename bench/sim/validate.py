@@ -116,7 +116,8 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                # the step's two parts (bench.sim.phases): medians over the steps, then over the profiles
                "compute_s": float(statistics.median(statistics.median(x["pipeline_times_s"]) for x in runs)),
                "after_compute_s": float(statistics.median(statistics.median(x["after_pipeline_times_s"])
-                                                          for x in runs))}
+                                                          for x in runs)),
+               "compute_work_s": float(statistics.median(statistics.median(x["schedule_work_s"]) for x in runs))}
     config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
               "processes": processes_of(record), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}

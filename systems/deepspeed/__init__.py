@@ -192,7 +192,7 @@ class DeepSpeedSystem(SystemAdapter):
         # Entered by hand: leaving it reduces (collectives), which must not run on a rank whose
         # microbatch loop raised, or the run would hang until its timeout instead of failing.
         coalesce.__enter__()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for mb in microbatches:
             lm, gen = engine(mb)
             per_sample = lm + gen
@@ -207,7 +207,7 @@ class DeepSpeedSystem(SystemAdapter):
             for p in engine.module.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        scheduled = time.perf_counter()
+        scheduled, compute_cpu = time.perf_counter(), time.thread_time() - cpu
         coalesce.__exit__(None, None, None)          # ZeRO-1/2/3: the step's coalesced gradient reduction
         reduced = time.perf_counter()
         if self.stage >= 1:
@@ -221,6 +221,7 @@ class DeepSpeedSystem(SystemAdapter):
         if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop
             out.phase_s = {"compute": scheduled - start, "grad_sync": reduced - scheduled,
                            "optimizer": time.perf_counter() - reduced}
+            out.compute_cpu_s = compute_cpu
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
 

@@ -90,7 +90,7 @@ class ColocatedRuntime:
 
         data = {n: self.ctx.data.microbatches(step, self.dp_rank[n], self.plan.modules[n].dp, self.rows[n])
                 for n in MODULES}
-        loaded = time.perf_counter()        # the schedule's phase starts here: data wait is its own
+        loaded, cpu = time.perf_counter(), time.thread_time()   # the schedule's phase starts here: data wait is its own
         sums = torch.zeros(3, dtype=torch.float64)
         for name in MODULES:
             self.models[name].zero_grad_buffer()
@@ -126,6 +126,7 @@ class ColocatedRuntime:
             if self.pg["generator"].tp.rank() == 0:
                 sums += torch.tensor([g.sum().item(), 0.0, g.sum().item()], dtype=torch.float64)
         phases = {"compute": time.perf_counter() - loaded, "grad_sync": 0.0, "optimizer": 0.0}
+        compute_cpu = time.thread_time() - cpu
         for name in MODULES:
             t0 = time.perf_counter()
             self.models[name].finish_grad_sync()
@@ -137,6 +138,6 @@ class ColocatedRuntime:
             busy[name] += t2 - t0
             phases["grad_sync"] += t1 - t0
             phases["optimizer"] += t2 - t1
-        out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases)
+        out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out

@@ -122,7 +122,7 @@ class PipelineRuntime:
         start = time.perf_counter()
         events, busy = [], 0.0
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.mp.dp, self.rows)
-        loaded = time.perf_counter()        # the schedule's phase starts here: data wait is its own
+        loaded, cpu = time.perf_counter(), time.thread_time()   # the schedule's phase starts here: data wait is its own
         self.sums = torch.zeros(3, dtype=torch.float64)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -163,7 +163,7 @@ class PipelineRuntime:
             in_grads = timed("bwd", self._backward, saved.popleft(), grads)
             self.comm.send_backward(in_grads)
 
-        t0 = time.perf_counter()
+        t0, compute_cpu = time.perf_counter(), time.thread_time() - cpu
         self.model.finish_grad_sync()
         t1 = time.perf_counter()
         ok, _, _ = self.optimizer.step()
@@ -172,7 +172,7 @@ class PipelineRuntime:
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
         phases = {"compute": t0 - loaded, "grad_sync": t1 - t0, "optimizer": t2 - t1}
-        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases)
+        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu)
         if self.reports:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
         return out
