@@ -34,7 +34,7 @@ def _dp_worker(rank: int, port: int, world: int, sizes: list[int], rounds: int, 
     point is the median over the rounds. Timed in rounds, not in a run of calls per point, so each
     point's samples spread over the whole measurement: this machine's speed moves in stretches of
     ~10 s, and a run of seven 64 MiB calls in one slow stretch read the all-gather at 0.21 s where
-    the same call took 0.12-0.15 s minutes later (3 Dec), and the fit's slope follows that point."""
+    the same call took 0.12-0.19 s in runs minutes apart (3 Dec), and the fit's slope follows that point."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)

@@ -9,7 +9,8 @@ parameter all-gather, the harness's barriers; against the simulated gradient syn
 and host time. Where the ranks also timed their schedule's CPU seconds (`rank_compute_cpu_s`),
 their sum over the ranks against the simulated schedule's work (device-seconds, each operation
 priced alone) says how much more CPU the same work took with the ranks side by side: the co-run
-slowdown the step actually met, to set beside the profile's (bench.profile.tp).
+slowdown the step actually met, to set beside the profile's (bench.profile.tp). With TP > 1 the
+simulated work includes the TP collectives' waits, which use no CPU: the ratio then reads low.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def markdown(rows: list[dict]) -> str:
              "optimizer step, parameter all-gather, barriers; not the data wait); medians over the steps, then "
              "over the repeats (bench/sim/phases.py). Schedule CPU = the ranks' CPU seconds in their "
              "schedules (training threads, summed over the ranks) over the simulated schedule's work "
-             "(device-seconds, each operation priced alone): how much more CPU the work took side by side.", "",
+             "(device-seconds, each operation priced alone): how much more CPU the work took side by side "
+             "(with TP > 1 the work includes the TP collectives' waits, so it reads low).", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
              "| after measured s | simulated s | error % | schedule CPU s / work s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
