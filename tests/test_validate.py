@@ -128,6 +128,23 @@ def test_oversubscription_is_explicit(setup):
     assert more["median_iteration_s"] < four["median_iteration_s"]
 
 
+def test_preprocessing_workers_compete_only_while_busy():
+    prof = synthetic_profile()
+    colocated = measured_record("megatron", 2, {}, 1.0)
+    workers = measured_record("megatron", 2, {"data.preprocess": "disaggregated", "data.num_workers": 2}, 1.0)
+    base = simulate_measured(colocated, prof, cores=2)
+    disagg = simulate_measured(workers, prof, cores=2)
+    procs = disagg["cluster"].host["processes"]
+    # the batch's preprocessing (8 samples, 4 microbatches) over the step, not two whole workers
+    assert 2.0 < procs < 2.2
+    assert disagg["cluster"].host_slowdown == pytest.approx(procs / 2, rel=1e-9)
+    assert disagg["cluster"].host.get("data") is None and base["cluster"].host_slowdown == 1.0
+    # busy all the time, the two workers would slow every all-at-once phase 2x
+    from bench.sim.validate import cluster_for
+    always = cluster_for(workers, prof, cores=2)[0]
+    assert always.host["processes"] == 4 and always.host_slowdown == pytest.approx(2.0)
+
+
 def test_cpu_cluster_from_profile():
     cl = cluster_from_profile(synthetic_profile(), processes=3, cores=2)
     assert cl.peak_flops == 5e10 and cl.value_bytes == 4 and cl.p2p_latency == 1e-4

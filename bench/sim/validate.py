@@ -10,8 +10,9 @@ profiles taken an hour apart, so the simulated time is the median over the profi
 table shows their range): per-module compute from
 the profile's fit, gloo latency and bandwidth, the host costs (preprocessing in the trainer,
 optimizer step), and the processes sharing `cores` CPU cores: with P processes on C cores each
-gets min(1, C / P) of a core, so compute runs max(1, P / C) times slower. Nothing is fitted per
-record: every constant comes from the profiles.
+gets min(1, C / P) of a core, so compute runs max(1, P / C) times slower (disaggregated
+preprocessing workers count as busy only for their share of the step: processes_of). Nothing is
+fitted per record: every constant comes from the profiles.
 
 Each simulation is appended as a record (mode "simulated", tags {"experiment": "validation",
 "measured_run_id": ...}) and `validation.md` beside the results file gets the table system,
@@ -47,20 +48,28 @@ def measured_runs(records: list[dict]) -> list[dict]:
     return out
 
 
-def processes_of(record: dict) -> int:
-    """Processes competing for the cores: the trainers, plus preprocessing workers if disaggregated."""
+def processes_of(record: dict, busy_workers: float | None = None) -> float:
+    """Processes competing for the cores: the trainers, plus the disaggregated preprocessing
+    workers, as many as are busy on average over a step (`busy_workers`; all of them if not
+    given). A worker prefetches and then blocks: on `small` at dp2 the batch's preprocessing is
+    ~0.05 CPU-s of a 3 s step, and the runs' step phases matched the preprocessing-in-trainer
+    runs' (3-4 Dec: counting both workers as busy priced the optimizer and the gradient sync 2x)."""
     data = record["config"].get("data", {})
-    extra = int(data.get("num_workers", 0)) if data.get("preprocess") == "disaggregated" else 0
-    return int(record["num_devices"]) + extra
+    workers = int(data.get("num_workers", 0)) if data.get("preprocess") == "disaggregated" else 0
+    busy = workers if busy_workers is None else min(float(busy_workers), workers)
+    return int(record["num_devices"]) + busy
 
 
-def cluster_for(record: dict, profile: dict, cores: int | None = None):
+def cluster_for(record: dict, profile: dict, cores: int | None = None, busy_workers: float | None = None,
+                inline_data: bool = False):
+    """The CPU cluster `record` ran on, from `profile`: its processes on `cores` cores, with the
+    preprocessing in the trainers unless the run had it in workers (or `inline_data`)."""
     from dataclasses import replace
     from bench.sim.cluster import cluster_from_profile
     cores = cores or ((record.get("env") or {}).get("hardware") or {}).get("cpu_count") or os.cpu_count()
-    cl = cluster_from_profile(profile, processes=processes_of(record), cores=cores)
+    cl = cluster_from_profile(profile, processes=processes_of(record, busy_workers), cores=cores)
     cl = replace(cl, gpus_per_node=max(int(record["num_devices"]), 1))
-    if record["config"].get("data", {}).get("preprocess") == "disaggregated":
+    if record["config"].get("data", {}).get("preprocess") == "disaggregated" and not inline_data:
         # preprocessing happens in separate workers, ahead of the trainers (prefetch)
         cl = replace(cl, host={**cl.host, "data": None})
     return cl, cores
@@ -68,21 +77,41 @@ def cluster_for(record: dict, profile: dict, cores: int | None = None):
 
 def simulate_measured(record: dict, profile: dict, cores: int | None = None) -> dict:
     """Simulate one measured record's configuration; returns the simulator's output dict plus
-    "median_iteration_s" (the measured metric is the median step latency too)."""
+    "median_iteration_s" (the measured metric is the median step latency too). With
+    disaggregated preprocessing, first without the workers, whose busy share is then their
+    CPU-seconds per step (the batch's preprocessing, priced as in a trainer) over that step."""
     from bench.sim.simulate import simulate
     from workloads.presets import get_workload
     cfg = record["config"]
     w = get_workload(record["workload"], record["data_profile"])
-    cluster, cores = cluster_for(record, profile, cores)
     steps = [int(s["step"]) for s in record["steps"] if not s.get("warmup")]
-    r = simulate(w, record["system"], dict(cfg.get("options", {})), int(record["num_devices"]), cluster,
-                 seed=int(cfg.get("seed", 0)), global_batch_size=int(cfg["global_batch_size"]),
-                 micro_batch_size=int(cfg["micro_batch_size"]), steps=steps,
-                 num_samples=int(cfg.get("data", {}).get("num_samples", 0)) or None,
-                 data_order=cfg.get("data", {}).get("reorder", "none"), reorder=False)
+    num_samples = int(cfg.get("data", {}).get("num_samples", 0)) or None
+
+    def run(cluster):
+        return simulate(w, record["system"], dict(cfg.get("options", {})), int(record["num_devices"]), cluster,
+                        seed=int(cfg.get("seed", 0)), global_batch_size=int(cfg["global_batch_size"]),
+                        micro_batch_size=int(cfg["micro_batch_size"]), steps=steps, num_samples=num_samples,
+                        data_order=cfg.get("data", {}).get("reorder", "none"), reorder=False)
+    busy = None
+    if cfg.get("data", {}).get("preprocess") == "disaggregated":
+        alone = run(cluster_for(record, profile, cores, busy_workers=0)[0])
+        inline = cluster_for(record, profile, cores, busy_workers=0, inline_data=True)[0]
+        work = statistics.mean(_preprocess_cpu_s(w, cfg, inline, step, num_samples) for step in steps)
+        busy = work / float(statistics.median(alone["iteration_times_s"]))
+    cluster, cores = cluster_for(record, profile, cores, busy)
+    r = run(cluster)
     r["median_iteration_s"] = float(statistics.median(r["iteration_times_s"]))
     r["cluster"], r["cores"] = cluster, cores
     return r
+
+
+def _preprocess_cpu_s(w, cfg: dict, cluster, step: int, num_samples: int | None) -> float:
+    """CPU-seconds to preprocess one step's batch once, in microbatches (bench.sim.costs)."""
+    from bench.sim import costs as C
+    from bench.sim.batch import draw_batch
+    B, mbs = int(cfg["global_batch_size"]), int(cfg["micro_batch_size"])
+    metas = draw_batch(w, B, int(cfg.get("seed", 0)), step, num_samples)
+    return C.data_time(C.load_seconds(w, metas, cluster), range(B), B // mbs, cluster)
 
 
 def measured_step_s(record: dict) -> float:
@@ -119,7 +148,7 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                                                           for x in runs)),
                "compute_work_s": float(statistics.median(statistics.median(x["schedule_work_s"]) for x in runs))}
     config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
-              "processes": processes_of(record), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
+              "processes": cluster.host.get("processes", processes_of(record)), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}
     assumptions = {**cluster.assumptions(), "cost_model": C.__doc__.strip(),
                    "validation": ("same configuration as the measured run (its steps' samples, the trainers' "
