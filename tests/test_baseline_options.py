@@ -70,6 +70,9 @@ def test_megatron_dp_sync_with_overlap_by_hand():
     got = O.dp_sync(params, dp, True, H100, overlap=True, bucket_params=O.megatron_bucket_params(dp),
                     forward_s=f, backward_s=b)
     assert n == 3 and got == pytest.approx(want)
+    split = O.dp_sync_split(params, dp, True, H100, overlap=True, bucket_params=O.megatron_bucket_params(dp),
+                            forward_s=f, backward_s=b)
+    assert split == pytest.approx((max(0.0, 2 / 3 * (rs - b)) + rs / 3, max(0.0, 2 / 3 * (ag - f)) + ag / 3))
     assert O.dp_sync(params, dp, True, H100, overlap=False, bucket_params=1) == pytest.approx(
         float(C.dp_sync_time(params, dp, True, H100)))
 
@@ -125,12 +128,18 @@ def test_pipeline_sync_after_the_flush():
     first_rs = 1e-3 + 1e-9 * nbytes                  # "2/2" reduce-scatter: 0.005
     last_rs, ag = 0.01 + 3e-9 * nbytes, 0.02 + 1e-9 * nbytes          # "4/2": 0.022, 0.024
     def sync(backward_s, link=0.0):
-        return _pipeline_sync(KIT, [1e6, 1e6], 2, 1, False, cl, False, [0.0, 0.0], backward_s, link)
+        total, gather = _pipeline_sync(KIT, [1e6, 1e6], 2, 1, False, cl, False, [0.0, 0.0], backward_s, link)
+        assert gather == 0.0                          # no overlap: nothing waits for the next forward
+        return total
     assert sync([0.0, 0.0]) == pytest.approx(last_rs + ag)                 # nothing to hide behind
     assert sync([0.01, 0.0], link=0.002) == pytest.approx(last_rs - 0.012 + ag)
     assert sync([1.0, 0.0]) == pytest.approx(first_rs + ag)                # hidden: the first stage's is left
     # one stage: its own reduce-scatter + all-gather, every process at work
-    assert _pipeline_sync(KIT, [1e6], 2, 1, False, cl, False, [0.0], [1.0], 0.0) == pytest.approx(last_rs + ag)
+    assert _pipeline_sync(KIT, [1e6], 2, 1, False, cl, False, [0.0], [1.0], 0.0)[0] == pytest.approx(last_rs + ag)
+    # overlap with one bucket (1e6 < 4e7 parameters) hides nothing, but the all-gather is the
+    # next step's forward's wait (megatron-core starts it in zero_grad): booked in the schedule
+    total, gather = _pipeline_sync(KIT, [1e6], 2, 1, False, cl, True, [1.0], [1.0], 0.0)
+    assert total == pytest.approx(last_rs + ag) and gather == pytest.approx(ag)
 
 
 # ---------------------------------------------------------------- sequence parallelism

@@ -55,18 +55,29 @@ def bucketed(collective, params: float, buckets: int) -> float:
 def dp_sync(params_per_gpu: float, dp: int, spans_nodes: bool, cluster, *, overlap: bool, bucket_params: float,
             forward_s: float = 0.0, backward_s: float = 0.0, gather_overlaps: bool = True,
             ranks: int | None = None, gradient: str = "reduce_scatter") -> float:
-    """Exposed seconds of one stage's gradient reduction + parameter all-gather
+    """Exposed seconds of one stage's gradient reduction + parameter all-gather: the sum of
+    dp_sync_split."""
+    return sum(dp_sync_split(params_per_gpu, dp, spans_nodes, cluster, overlap=overlap, bucket_params=bucket_params,
+                             forward_s=forward_s, backward_s=backward_s, gather_overlaps=gather_overlaps,
+                             ranks=ranks, gradient=gradient))
+
+
+def dp_sync_split(params_per_gpu: float, dp: int, spans_nodes: bool, cluster, *, overlap: bool, bucket_params: float,
+                  forward_s: float = 0.0, backward_s: float = 0.0, gather_overlaps: bool = True,
+                  ranks: int | None = None, gradient: str = "reduce_scatter") -> tuple[float, float]:
+    """(exposed gradient reduction, exposed parameter all-gather) seconds of one stage
     (bench.sim.costs.dp_sync_parts, which reads `ranks` and `gradient`). overlap=False: both
     after the flush, one collective each. overlap: `bucket_params`-sized buckets, the gradient
     reduction behind `backward_s` (the last microbatch's backward there) and, if
-    gather_overlaps, the all-gather behind `forward_s` (the first microbatch's forward);
-    otherwise the all-gather stays after the step."""
+    gather_overlaps, the all-gather behind `forward_s` (the first microbatch's forward: what is
+    exposed of it the next step's forward waits for); otherwise the all-gather stays after the step."""
     def parts(params):
         return C.dp_sync_parts(params, dp, spans_nodes, cluster, ranks=ranks, gradient=gradient)
     if not overlap or dp <= 1:
-        return float(sum(parts(params_per_gpu)))
+        rs, ag = parts(params_per_gpu)
+        return float(rs), float(ag)
     n = num_buckets(params_per_gpu, bucket_params)
     rs = bucketed(lambda x: parts(x)[0], params_per_gpu, n)
     ag = bucketed(lambda x: parts(x)[1], params_per_gpu, n)
-    return exposed(rs, backward_s, n) + (exposed(ag, forward_s, n) if gather_overlaps
-                                         else float(parts(params_per_gpu)[1]))
+    return exposed(rs, backward_s, n), (exposed(ag, forward_s, n) if gather_overlaps
+                                        else float(parts(params_per_gpu)[1]))

@@ -11,7 +11,8 @@ drawn microbatch order; on shared-core (CPU) clusters a device's chunks are pric
 theirs, as the measured runs do). overlap hides each device's DP reduce-scatter behind its last
 microbatch's backward and its all-gather behind its first forward (bench.sim.overlap; with
 interleaving the whole device's backward, where megatron starts each chunk's sync after that
-chunk's last backward), the slowest replica's compute being what it can hide behind.
+chunk's last backward), the slowest replica's compute being what it can hide behind; what is
+exposed of the all-gather is booked in the schedule (the next step's forward waits for it).
 With context parallelism (cp > 1) each of a stage's cp ranks runs the backbone on 1/cp of every
 sequence (bench.sim.context: compute, all-to-all or ring communication, activations / cp) but
 the encoder and generator whole, for all of its replica's images: they are not context-parallel
@@ -112,9 +113,12 @@ def simulate_step(layout, step, kit) -> StepCost:
         stage_params.append(p / tp)
         opt.append(C.optimizer_time(p / tp / (dp * cp), cluster))     # distributed optimizer: a 1/(dp cp) shard
     host_s = max(opt) + C.harness_time(mp * pp * dp, cluster)
-    sync = _pipeline_sync(kit, stage_params, dp * cp, mp, mp * dp > gpn, cluster, ov, hide_f, hide_b,
-                          links[0] if links else 0.0)
-    return StepCost(pipe, sync + host_s, busy, max(mem), mp * pp * dp, first, data)
+    sync, gather = _pipeline_sync(kit, stage_params, dp * cp, mp, mp * dp > gpn, cluster, ov, hide_f, hide_b,
+                                  links[0] if links else 0.0)
+    # With overlap, megatron-core 0.16.1 starts the parameter all-gather in the next step's
+    # zero_grad and waits for it in the forward pre-hooks (distrib_optimizer.py step_with_ready_grads):
+    # what is exposed of it delays the schedule, where the measured phases find it.
+    return StepCost(pipe + gather, sync - gather + host_s, busy, max(mem), mp * pp * dp, first, data)
 
 
 def _per_device(x, pp: int):
@@ -128,18 +132,20 @@ def _cores(mp: int, cpu, dev, pp: int):
     return mp * np.divide(c, dev, out=np.ones_like(dev), where=dev > 0)
 
 
-def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> float:
-    """Megatron's DP sync of one device; with overlap its reduce-scatter hides behind the last
-    microbatch's backward and its all-gather behind the first forward (bench.sim.overlap)."""
+def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> tuple[float, float]:
+    """Megatron's DP sync of one device, (exposed reduce-scatter, exposed all-gather); with
+    overlap the reduce-scatter hides behind the last microbatch's backward and the all-gather
+    behind the first forward (bench.sim.overlap)."""
     O = kit.overlap
-    return O.dp_sync(params, dp, spans, cluster, overlap=overlap, bucket_params=O.megatron_bucket_params(dp),
-                     forward_s=float(forward_s), backward_s=float(backward_s))
+    return O.dp_sync_split(params, dp, spans, cluster, overlap=overlap, bucket_params=O.megatron_bucket_params(dp),
+                           forward_s=float(forward_s), backward_s=float(backward_s))
 
 
-def _pipeline_sync(kit, params, dp, mp, spans, cluster, overlap, forward_s, backward_s, link) -> float:
-    """Seconds of DP sync after the pipeline's flush: every stage's _dp_sync (`params`,
-    `forward_s`, `backward_s`: per stage) at once. Without overlap, 1F1B ends on the first stage:
-    a later stage s reduce-scatters as soon as its own last backward is done, while the first
+def _pipeline_sync(kit, params, dp, mp, spans, cluster, overlap, forward_s, backward_s, link) -> tuple[float, float]:
+    """(seconds of DP sync after the pipeline's flush, of which the exposed all-gather with
+    overlap: the next step's forward waits for it): every stage's _dp_sync (`params`,
+    `forward_s`, `backward_s`: per stage) at once, the slowest stage's. Without overlap, 1F1B
+    ends on the first stage: a later stage s reduce-scatters as soon as its own last backward is done, while the first
     stage still runs the last microbatch's backwards of stages s-1 .. 0 (`backward_s`, with a
     p2p hop each), so only what outlasts them is exposed. The first stage's reduce-scatter then
     runs with only its own mp x dp ranks at work (timed on small-enc-heavy at pp2-dp2, 4
@@ -149,14 +155,15 @@ def _pipeline_sync(kit, params, dp, mp, spans, cluster, overlap, forward_s, back
     reduce-scatter + all-gather after the flush overpredicted the time after the schedule 2x.)"""
     pp = len(params)
     if overlap or pp == 1 or dp <= 1:
-        return max(_dp_sync(kit, params[s], dp, spans, cluster, overlap, forward_s[s], backward_s[s])
-                   for s in range(pp))
+        rs, ag = max((_dp_sync(kit, params[s], dp, spans, cluster, overlap, forward_s[s], backward_s[s])
+                      for s in range(pp)), key=sum)
+        return rs + ag, (ag if overlap else 0.0)
     C = kit.costs
     parts = [C.dp_sync_parts(p, dp, spans, cluster) for p in params]
     first_rs = C.dp_sync_parts(params[0], dp, spans, cluster, ranks=mp * dp)[0]
     lead = np.concatenate([[0.0], np.cumsum(np.asarray(backward_s[:-1], dtype=np.float64) + link)])
     exposed_rs = max([float(first_rs)] + [max(0.0, float(parts[s][0]) - lead[s]) for s in range(1, pp)])
-    return exposed_rs + max(float(ag) for _, ag in parts)
+    return exposed_rs + max(float(ag) for _, ag in parts), 0.0
 
 
 def estimate(w, st, cluster, kit, tp: int, pp: int, dp: int, rc: bool, sp: bool = False, vpp: int = 1,
@@ -206,7 +213,7 @@ def _estimate(w, st, cluster, kit, parts, tp, pp, dp, vpp, overlap, cp) -> float
             return float("inf")
     hidden, seq = w.backbone.hidden_size, w.backbone.seq_length
     link = float(C.p2p_time(st.mbs * seq, hidden, mp, cluster, mp * dp >= gpn)) if pp > 1 else 0.0
-    sync = _pipeline_sync(kit, list(params / tp), dp * cp, mp, mp * dp > gpn, cluster, overlap, t_f, t_b, link)
+    sync, _ = _pipeline_sync(kit, list(params / tp), dp * cp, mp, mp * dp > gpn, cluster, overlap, t_f, t_b, link)
     return I.estimate(t_f + t_b, link, m, vpp) + sync
 
 
