@@ -118,6 +118,19 @@ def test_dp_collectives_are_read_at_the_runs_process_arrangement():
         C.ring_allreduce(2e9, 8, bw, lat))
 
 
+def test_a_dp_group_of_one_pays_megatrons_copy_when_profiled():
+    """megatron's finish_grad_sync at DP = 1 reduce-scatters over a group of one (a copy), timed
+    apart from the optimizer step by newer profiles; DeepSpeed's all-reduce path has no such call."""
+    from dataclasses import replace
+    cl = _dp_groups_cluster()
+    assert C.dp_sync_parts(1e6, 1, False, cl) == pytest.approx((0.0, 0.0))     # older profile: in the step
+    timed = replace(cl, host={**cl.host, "optimizer": {**cl.host["optimizer"],
+                                                       "grad_sync_dp1": {"fixed_s": 1e-3, "s_per_param": 4e-9}}})
+    assert C.dp_sync_parts(1e6, 1, False, timed) == pytest.approx((cl.host_slowdown * (1e-3 + 4e-3), 0.0))
+    assert C.dp_sync_parts(1e6, 1, False, timed, gradient="allreduce") == pytest.approx((0.0, 0.0))
+    assert C.dp_sync_parts(1e6, 2, False, timed) == C.dp_sync_parts(1e6, 2, False, cl)     # a real group
+
+
 def test_pipeline_sync_after_the_flush():
     """pp2-dp2 on 4 processes, no overlap: the first stage's reduce-scatter runs at the 2-process
     arrangement (the other stage waits at the gradient-norm all-reduce); the last stage's

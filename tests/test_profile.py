@@ -41,6 +41,9 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
         assert m["achieved_flops"] > 0 and 0 < m["efficiency"] < 1.5
         assert m["rate_flops"] > 0 and m["overhead_s"] >= 0 and m["activation_bytes"] > 0
     assert p["optimizer"]["fixed_s"] >= 0 and p["optimizer"]["s_per_param"] >= 0
+    # the step and the DP = 1 finish_grad_sync apart, as the runs time them
+    assert p["optimizer"]["grad_sync_dp1"]["s_per_param"] >= 0
+    assert all(pt["grad_sync_s"] > 0 and pt["step_s"] > 0 for pt in p["optimizer"]["points"])
     assert p["data"]["mean_load_s_per_sample"] > 0
     assert p["comm"] is None                                 # --no-comm
     g = p["gemm"]                                            # a 3^3 GEMM table, 3 kinds each

@@ -274,6 +274,8 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
     average_tensor all-reduces its bucket: use_multi_rank_bucket_allreduce defaults to True in
     deepspeed 0.19.8 runtime/zero/stage_1_and_2.py), each a ring over dp.
 
+    At dp = 1 with a CPU profile that timed it (optimizer "grad_sync_dp1"), Megatron's
+    finish_grad_sync over the group of one (a copy); older profiles count it in the optimizer step.
     On a CPU profile (cluster.host["dp_sync"]) each is read from the collective measured with
     `ranks` processes (default: all of the run's) in groups of `dp` all at once
     (bench/profile/dp_groups.py); an arrangement never measured is extrapolated from the 2-rank
@@ -282,6 +284,12 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
         raise ValueError(f"gradient reduction {gradient!r}; choose reduce_scatter or allreduce")
     nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
     measured = (cluster.host or {}).get("dp_sync")
+    alone = ((cluster.host or {}).get("optimizer") or {}).get("grad_sync_dp1")
+    if alone and int(dp) == 1 and gradient == "reduce_scatter":
+        # megatron's reduce-scatter over a group of one still copies the buffer (bench.profile.measure)
+        return (cluster.host_slowdown * (alone["fixed_s"] + alone["s_per_param"] * np.asarray(params_per_gpu,
+                                                                                               dtype=np.float64)),
+                0.0 * nbytes)
     if measured:
         ranks = int(round(ranks or cluster.host.get("processes") or dp))    # a float from an array must find "2/2"
         at = measured.get(f"{ranks}/{int(dp)}")
