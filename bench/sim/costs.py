@@ -287,9 +287,8 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
     alone = ((cluster.host or {}).get("optimizer") or {}).get("grad_sync_dp1")
     if alone and int(dp) == 1 and gradient == "reduce_scatter":
         # megatron's reduce-scatter over a group of one still copies the buffer (bench.profile.measure)
-        return (cluster.host_slowdown * (alone["fixed_s"] + alone["s_per_param"] * np.asarray(params_per_gpu,
-                                                                                               dtype=np.float64)),
-                0.0 * nbytes)
+        params = np.asarray(params_per_gpu, dtype=np.float64)
+        return cluster.host_slowdown * (alone["fixed_s"] + alone["s_per_param"] * params), np.zeros_like(params)
     if measured:
         ranks = int(round(ranks or cluster.host.get("processes") or dp))    # a float from an array must find "2/2"
         at = measured.get(f"{ranks}/{int(dp)}")

@@ -148,7 +148,7 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                                                           for x in runs)),
                "compute_work_s": float(statistics.median(statistics.median(x["schedule_work_s"]) for x in runs))}
     config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
-              "processes": cluster.host.get("processes", processes_of(record)), "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
+              "processes": cluster.host["processes"], "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}
     assumptions = {**cluster.assumptions(), "cost_model": C.__doc__.strip(),
                    "validation": ("same configuration as the measured run (its steps' samples, the trainers' "
