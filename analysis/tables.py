@@ -1,6 +1,7 @@
 """The report's tables: the headline comparison, one row per configuration, and the simulator
 against the measured repeats. Every number that summarizes repeats comes from analysis.repeats
-and analysis.stats (median, 95% interval, verdict only beyond the noise)."""
+and analysis.stats (median, 95% interval, verdict only beyond the noise); the validation's
+noise floor from bench.sim.validate.noise_pct, which its own table uses too."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +10,7 @@ import pandas as pd
 from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
 from analysis.repeats import best_layouts, configurations, with_speedups
 from analysis.stats import ratio_of_medians, summarize
+from bench.sim.validate import noise_pct
 
 ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
 
@@ -86,10 +88,14 @@ def _ratio_lines(best: pd.DataFrame, predicted: dict) -> list[str]:
     lines = []
     for system in (s for s in order if s not in baselines):
         for b in baselines:
-            words = ratio_of_medians(best.loc[system, "repeat_values"], best.loc[b, "repeat_values"]).verdict()
+            ratio = ratio_of_medians(best.loc[system, "repeat_values"], best.loc[b, "repeat_values"])
+            words = ratio.verdict()
             t_sys, t_base = predicted.get(best.loc[system, "config_key"]), predicted.get(best.loc[b, "config_key"])
             if t_sys and t_base:   # same batch: samples/s ratio = inverse ratio of iteration times
                 words += f"; the simulator (bench validate) predicts {t_base / t_sys:.2f}×"
+                if not np.isnan(ratio.low):
+                    inside = ratio.low <= t_base / t_sys <= ratio.high
+                    words += f", {'inside' if inside else 'outside'} the measured interval"
             lines += [f"- {system} vs {b}: {words}."]
     return lines + [""] if lines else []
 
@@ -160,7 +166,7 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
     (min..max), the simulator's time for the same configuration (bench validate), the error,
     and whether the simulation lies within the measured spread."""
     cols = ["system", "workload", "layout", "nproc", "repeats", "measured median s", "spread", "simulated s",
-            "profiles' range", "error %", "within spread"]
+            "profiles' range", "error %", "within spread", "noise %"]
     need = {"tags.measured_run_id", "metrics.iteration_time_s"}
     if runs.empty or not need <= set(runs.columns):
         return pd.DataFrame(columns=cols)
@@ -188,7 +194,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
         rows.append({"system": first["system"], "workload": first["workload"], "layout": first["layout_label"],
                      "nproc": int(first["num_devices"]), "repeats": s.n, "measured median s": s.median,
                      "spread": f"{lo:.4g}..{hi:.4g} (±{50 * (hi - lo) / s.median:.0f}%)", "simulated s": sim_s,
-                     "profiles' range": span, "error %": 100.0 * (sim_s - s.median) / s.median, "within spread": lo <= sim_s <= hi})
+                     "profiles' range": span, "error %": 100.0 * (sim_s - s.median) / s.median, "within spread": lo <= sim_s <= hi,
+                     "noise %": noise_pct(times.tolist())})
     df = pd.DataFrame(rows, columns=cols)
     return df.sort_values(["workload", "system", "nproc", "layout"], key=sort_key).reset_index(drop=True)
 
@@ -202,7 +209,8 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
     shown = table.assign(**{"measured median s": table["measured median s"].map(num(".4g")),
                             "simulated s": table["simulated s"].map(num(".4g")),
                             "error %": table["error %"].map(num("+.1f")),
-                            "within spread": table["within spread"].map({True: "yes", False: "no"})})
+                            "within spread": table["within spread"].map({True: "yes", False: "no"}),
+                            "noise %": table["noise %"].map(num(".1f"))})
     md += ["Each measured CPU configuration simulated on a CPU cluster built from this machine's profile "
            "(`python -m bench profile`, `python -m bench validate`); error = (simulated - median of the "
            "repeats) / median; spread = the repeats' range. With several profiles of the machine (run_all "
@@ -212,7 +220,9 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
     md += markdown_table(shown)
     md += ["", f"{len(table)} configurations: mean |error| {err.mean():.1f}%, median {err.median():.1f}%, max "
                f"{err.max():.1f}%; {int(table['within spread'].sum())}/{len(table)} within the measured spread, "
-               f"{int((err <= 10).sum())}/{len(table)} within 10%.", ""]
+               f"{int((err <= 10).sum())}/{len(table)} within 10%. The repeats' own noise: a model exact on "
+               f"average would read {table['noise %'].mean():.1f}% off these medians (bench.sim.validate.noise_pct).",
+           ""]
     return md
 
 

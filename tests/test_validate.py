@@ -91,7 +91,10 @@ def test_report_section_pairs_simulated_with_measured(setup):
     validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
     table = validation_table(load(results.parent).runs)
     assert len(table) == 4 and set(table["system"]) == {"megatron", "deepspeed", "disttrain"}
-    assert "## Simulator validation" in "\n".join(validation_section(load(results.parent).runs))
+    text = "\n".join(validation_section(load(results.parent).runs))
+    assert "## Simulator validation" in text
+    # one run per configuration: no noise to tell apart
+    assert (table["noise %"] == 0).all() and "a model exact on average would read 0.0% off" in text
 
 
 def test_repeats_are_one_configuration_with_a_spread(tmp_path):
@@ -111,6 +114,7 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
     assert row["within_spread"] == (0.04 <= row["simulated_s"] <= 0.09) and row["outside_cpu_share"] == 0.01
     text = md.read_text()
     assert f"{int(row['within_spread'])}/1 within the measured spread" in text and "| 3 | 0.05 | 0.04..0.09 (±50%)" in text
+    assert row["noise_pct"] > 0 and f"the repeats' own noise {row['noise_pct']:.1f}%." in text
     # the ranks' time on a CPU and waiting for one: medians over the repeats
     assert row["rank_cpu_share"] == pytest.approx(0.6) and row["rank_runqueue_share"] == pytest.approx(0.2)
     assert text.rstrip().count("| 60 / 20, 10; 3.0 |") == 1       # then the garbage collector's share
@@ -224,3 +228,12 @@ def test_phase_rows_set_the_ranks_schedule_cpu_against_the_simulated_work():
     rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
                                                            "compute_work_s": 1.0}})]))
     assert "compute_cpu" not in rows[0] and phase_markdown(rows).rstrip().endswith("|  |")
+
+
+def test_noise_is_the_medians_own_scatter_over_resamples_of_the_repeats():
+    from bench.sim.validate import noise_pct
+    # (1, 1, 4): a resample's median is 4 when two or three of its three draws are 4,
+    # P = 3 (1/3)^2 (2/3) + (1/3)^3 = 7/27, else 1; so the mean |median* - 1| / 1 = 3 x 7/27.
+    assert noise_pct([1.0, 1.0, 4.0]) == pytest.approx(100 * 3 * 7 / 27, abs=5.0)
+    assert noise_pct([2.0, 2.0, 2.0]) == 0.0 and noise_pct([3.0]) == 0.0
+    assert noise_pct([1.0, 1.1, 0.9]) < noise_pct([1.0, 1.5, 0.5])

@@ -26,6 +26,20 @@ import sys
 from pathlib import Path
 
 GOAL_PCT = 10.0
+NOISE_RESAMPLES = 4000
+
+
+def noise_pct(measured: list[float], resamples: int = NOISE_RESAMPLES, seed: int = 0) -> float:
+    """How far, in % of the median, a model exact on average would read from the median of these
+    repeats: the mean |bootstrap median - median| / median (the median's own scatter over
+    resamples of the repeats). 0 for a single run (nothing to tell the noise from)."""
+    import numpy as np
+    x = np.asarray(measured, dtype=np.float64)
+    if x.size < 2:
+        return 0.0
+    median = float(np.median(x))
+    draws = np.random.default_rng(seed).choice(x, size=(resamples, x.size))
+    return 100.0 * float(np.mean(np.abs(np.median(draws, axis=1) - median))) / median
 
 
 def simulatable(system: str) -> bool:
@@ -211,6 +225,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
                      "simulated_low_s": sim_low, "simulated_high_s": sim_high, "profiles": len(by_profile[0]),
                      "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
+                     "noise_pct": noise_pct(measured),
                      "outside_cpu_share": statistics.median(shares) if shares else None,
                      **{k: statistics.median(v) if v else None for k, v in ranks.items()}})
     return rows
@@ -228,7 +243,10 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "with the training thread, then gloo's and other helper threads, runnable but waiting for a core (the "
              "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); GC = the share in "
              "Python's garbage collector; "
-             "with several profiles, simulated = the median over them (their range in brackets).", ""]
+             "with several profiles, simulated = the median over them (their range in brackets). The repeats' "
+             "own noise (summary lines) = the mean |error| expected of a model exact on average, from each "
+             "configuration's repeats (the mean |bootstrap median - median| / median): the floor of what these "
+             "repeats can tell.", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
@@ -248,7 +266,8 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
         return (f"{what}: {len(rs)} configurations, mean |error| {statistics.fmean(errs):.1f}%, median "
                 f"{statistics.median(errs):.1f}%, max {max(errs):.1f}%; {sum(r['within_spread'] for r in rs)}/"
                 f"{len(rs)} within the measured spread, {sum(e <= goal for e in errs)}/{len(rs)} within "
-                f"{goal:g}%.") if rs else f"{what}: none."
+                f"{goal:g}%; the repeats' own noise {statistics.fmean(r.get('noise_pct', 0.0) for r in rs):.1f}%."
+                ) if rs else f"{what}: none."
     if rows:
         lines += ["", stats(rows, "All")]
         for wl in sorted({r["workload"] for r in rows}):
