@@ -228,3 +228,52 @@ def test_heterogeneous_small_batches_where_achievable(batch, ranks):
         if opt_imb <= 1.03:
             assert alg_imb <= 1.05
         assert alg_imb <= (2 - 1 / ranks) * opt_imb + EPS
+
+
+def test_grouped_reordering_balances_each_microbatch_and_orders_every_group_alike():
+    """DistTrain's modules meet at every microbatch: "intra" keeps each microbatch's samples and
+    splits them over the canonical groups at the best encoder balance (2 groups of 2: what brute
+    force finds, within the generator's 2% slack), so the encoder's sum over microbatches of its
+    slowest group drops; "inter" orders the microbatches once for all groups, so a backbone
+    microbatch stays one set of samples."""
+    from bench.data.batching import assign, assign_grouped
+    rng = np.random.default_rng(3)
+    costs = [(float(e), 1.0, float(g)) for e, g in zip(rng.pareto(1.5, 32) * 10, rng.integers(0, 5, 32))]
+    ids = list(range(100, 132))
+    groups, rows = 2, 2
+    none = assign_grouped(ids, costs, groups, rows, "none")
+    assert none == assign(ids, costs, groups, rows, "none")
+    enc = {i: c[0] for i, c in zip(ids, costs)}
+
+    def members(plan, m):
+        return sorted(i for g in plan for i in g[m])
+
+    def slowest(plan, m):
+        return max(sum(enc[i] for i in g[m]) for g in plan)
+
+    intra = assign_grouped(ids, costs, groups, rows, "intra")
+    for m in range(len(none[0])):
+        assert members(intra, m) == members(none, m) and all(len(g[m]) == rows for g in intra)
+        v = np.array([enc[i] for i in members(none, m)])
+        assert slowest(intra, m) <= 1.02 * _opt_equal(v, groups) + EPS
+    assert sum(slowest(intra, m) for m in range(8)) < 0.95 * sum(slowest(none, m) for m in range(8))
+    inter = assign_grouped(ids, costs, groups, rows, "inter")
+    unions = {tuple(members(none, m)): m for m in range(len(none[0]))}
+    order = [unions[tuple(members(inter, m))] for m in range(len(inter[0]))]
+    assert sorted(order) == list(range(len(none[0]))) and order != sorted(order)
+    assert all(inter[g] == [none[g][m] for m in order] for g in range(groups))
+    both = assign_grouped(ids, costs, groups, rows, "both")
+    assert sorted(tuple(members(both, m)) for m in range(len(both[0]))) == sorted(unions)
+
+
+@pytest.mark.parametrize("policy", ["none", "intra", "inter", "both"])
+def test_every_module_of_a_grouped_plan_sees_the_same_microbatches(policy):
+    """The encoder at DP 2 and the backbone at DP 1 (two canonical groups): backbone microbatch m
+    is exactly the encoder ranks' microbatch m together, whatever the order."""
+    from bench.sim.batch import RuntimeOrder
+    w = get_workload("tiny")
+    order = RuntimeOrder(w, draw_batch(w, 32, 0, 0), 8, policy, canonical_groups=2)
+    backbone, encoder = order.ranks(1, 8)[0], order.ranks(2, 4)
+    assert len(backbone) == 4
+    assert all(sorted(backbone[m]) == sorted(encoder[0][m] + encoder[1][m]) for m in range(4))
+    assert sorted(i for mb in backbone for i in mb) == list(range(32))

@@ -39,6 +39,35 @@ def assign(ids: list[int], costs: list[tuple[float, float, float]], dp_size: int
     return [[[ids[p] for p in mb] for mb in mbs] for mbs in ranks]
 
 
+def assign_grouped(ids: list[int], costs: list[tuple[float, float, float]], groups: int, rows: int,
+                   policy: str) -> list[list[list[int]]]:
+    """[group][microbatch] -> sample ids, for a system whose modules meet at every microbatch
+    (DistTrain: each module's DP split takes whole groups of `groups` canonical ones, `rows`
+    samples each per microbatch, and the bridge hands a microbatch on as soon as all its ranks
+    are done). Microbatch m holds the same samples as without reordering; "intra" splits them
+    over the groups evenly in count, balancing the encoder, then the generator (the per-rank
+    load every module waits on at that microbatch; dealing the step's samples into microbatches
+    of equal load first would pair heavy samples with light ones, and with one sample per group
+    the slowest group would then be slower); "inter" orders the microbatches by their whole
+    cost, one order for every group, so a module's microbatch stays one set of samples.
+    (`assign`'s per-rank balance over the step is what data parallelism alone waits on.)"""
+    from workloads import reorder
+    ranks = assign(ids, costs, groups, rows, "none")
+    positions = {i: k for k, i in enumerate(ids)}
+    if policy in ("intra", "both") and groups > 1:
+        for m in range(len(ranks[0])):
+            members = [positions[i] for r in ranks for i in r[m]]
+            parts = reorder.intra_microbatch_assign([costs[p] for p in members], groups, rows)
+            for r, part in zip(ranks, parts):
+                r[m] = [ids[members[k]] for k in part]
+    if policy in ("inter", "both"):
+        totals = [tuple(sum(costs[positions[i]][k] for r in ranks for i in r[m]) for k in range(3))
+                  for m in range(len(ranks[0]))]
+        order = reorder.inter_microbatch_order(totals)
+        ranks = [[r[m] for m in order] for r in ranks]
+    return ranks
+
+
 def _order_microbatches(mbs: list[list[int]], costs) -> list[list[int]]:
     from workloads import reorder
     mb_costs = [tuple(sum(costs[p][k] for p in mb) for k in range(3)) for mb in mbs]

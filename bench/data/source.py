@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
-from bench.data.batching import assign, global_batch_ids, sample_costs
+from bench.data.batching import assign, assign_grouped, global_batch_ids, sample_costs
 from workloads.batch import MicroBatch
 from workloads.loader import DatasetReader, collate
 
@@ -23,7 +23,9 @@ class DataPlan:
         self.reader, self.workload = reader, workload
         # Systems whose modules split the batch over different DP sizes (disttrain) plan on
         # the finest split once and let each module take whole groups of it, so every
-        # module sees the same samples in the same rows (the bridge moves rows in order).
+        # module sees the same samples in the same rows (the bridge moves rows in order);
+        # their modules meet at every microbatch, so reordering balances each microbatch
+        # (batching.assign_grouped), where data parallelism alone waits once a step (assign).
         self.canonical_groups = canonical_groups
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         # An imported dataset (data.webdataset) has as many samples as its pairs pack into:
@@ -41,9 +43,11 @@ class DataPlan:
         ids = self.ids(step)
         mbs = micro_batch_size or self.micro_batch_size
         fine = self.canonical_groups
-        if fine > dp_size and fine % dp_size == 0:
+        if fine > 1:
+            if fine % dp_size:
+                raise ValueError(f"dp size {dp_size} does not divide the {fine} canonical groups")
             per = fine // dp_size
-            base = assign(ids, self.costs(ids), fine, mbs // per, self.reorder)
+            base = assign_grouped(ids, self.costs(ids), fine, mbs // per, self.reorder)
             plan = [[sum((base[g][m] for g in range(r * per, (r + 1) * per)), []) for m in range(len(base[0]))]
                     for r in range(dp_size)]
         else:
