@@ -194,8 +194,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
         rows.append({"system": first["system"], "workload": first["workload"], "layout": first["layout_label"],
                      "nproc": int(first["num_devices"]), "repeats": s.n, "measured median s": s.median,
                      "spread": f"{lo:.4g}..{hi:.4g} (±{50 * (hi - lo) / s.median:.0f}%)", "simulated s": sim_s,
-                     "profiles' range": span, "error %": 100.0 * (sim_s - s.median) / s.median, "within spread": lo <= sim_s <= hi,
-                     "noise %": noise_pct(times.tolist())})
+                     "profiles' range": span, "error %": 100.0 * (sim_s - s.median) / s.median,
+                     "within spread": lo <= sim_s <= hi, "noise %": noise_pct(times.tolist())})
     df = pd.DataFrame(rows, columns=cols)
     return df.sort_values(["workload", "system", "nproc", "layout"], key=sort_key).reset_index(drop=True)
 

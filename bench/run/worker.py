@@ -120,38 +120,37 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         losses /= cfg.global_batch_size
         # Per-rank busy and data-wait times and loss sums, gathered as plain tensors.
         grad_norm = -1.0 if result.grad_norm is None else result.grad_norm       # -1: not given
-        busy = [result.module_busy_s.get(m, 0.0) for m in MODULES] + [source.wait_s - wait_before, result.loss_sum,
-                                                                     grad_norm, *sched, *gc_step,
-                                                                     *(result.phase_s.get(p, -1.0) for p in STEP_PHASES),
-                                                                     result.compute_cpu_s]
-        gathered = [torch.zeros(len(busy), dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(gathered, torch.tensor(busy, dtype=torch.float64, device=device))
+        per_rank = _gather_named({
+            **{f"busy.{m}": result.module_busy_s.get(m, 0.0) for m in MODULES},
+            "data_wait": source.wait_s - wait_before, "loss_sum": result.loss_sum, "grad_norm": grad_norm,
+            "cpu": sched[0], "runqueue": sched[1], "helper_runqueue": sched[2],
+            "gc_s": gc_step[0], "gc_full": gc_step[1],
+            **{f"phase.{p}": result.phase_s.get(p, -1.0) for p in STEP_PHASES},
+            "compute_cpu": result.compute_cpu_s}, world, device)
         if rank == 0:
-            per_rank = [g.tolist() for g in gathered]
             entry = {
                 "step": step, "warmup": step < cfg.warmup, "latency_s": latency,
                 "loss": losses[0].item(), "lm_loss": losses[1].item(), "gen_loss": losses[2].item(),
-                "data_wait_s": max(r[3] for r in per_rank),
-                "rank_data_wait_s": [r[3] for r in per_rank],
-                "rank_busy_s": [sum(r[:3]) for r in per_rank],
-                "module_busy_s": {m: max(r[i] for r in per_rank) for i, m in enumerate(MODULES)},
+                "data_wait_s": max(r["data_wait"] for r in per_rank),
+                "rank_data_wait_s": [r["data_wait"] for r in per_rank],
+                "rank_busy_s": [sum(r[f"busy.{m}"] for m in MODULES) for r in per_rank],
+                "module_busy_s": {m: max(r[f"busy.{m}"] for r in per_rank) for m in MODULES},
             }
-            if all(r[6] >= 0 for r in per_rank):
+            if all(r["cpu"] >= 0 for r in per_rank):
                 # where each rank's step went (bench.run.machine.thread_times): CPU seconds, and
                 # seconds its training thread and its helper threads waited for a core
-                entry["rank_cpu_s"] = [r[6] for r in per_rank]
-                entry["rank_runqueue_s"] = [r[7] for r in per_rank]
-                entry["rank_helper_runqueue_s"] = [r[8] for r in per_rank]
+                entry["rank_cpu_s"] = [r["cpu"] for r in per_rank]
+                entry["rank_runqueue_s"] = [r["runqueue"] for r in per_rank]
+                entry["rank_helper_runqueue_s"] = [r["helper_runqueue"] for r in per_rank]
             # seconds in Python's garbage collector and full collections (bench.run.machine.GcClock)
-            entry["rank_gc_s"] = [r[9] for r in per_rank]
-            entry["rank_gc_full"] = [int(r[10]) for r in per_rank]
-            if all(r[11] >= 0 for r in per_rank):
+            entry["rank_gc_s"] = [r["gc_s"] for r in per_rank]
+            entry["rank_gc_full"] = [int(r["gc_full"]) for r in per_rank]
+            if all(r[f"phase.{p}"] >= 0 for r in per_rank for p in STEP_PHASES):
                 # the system's own split of each rank's step (systems.base.STEP_PHASES), -1: not reported
-                entry["rank_phase_s"] = {p: [r[11 + i] for r in per_rank] for i, p in enumerate(STEP_PHASES)}
-            cpu_at = 11 + len(STEP_PHASES)
-            if all(r[cpu_at] >= 0 for r in per_rank):
-                entry["rank_compute_cpu_s"] = [r[cpu_at] for r in per_rank]      # StepOutput.compute_cpu_s
-            norms = [r[5] for r in per_rank if r[5] >= 0]
+                entry["rank_phase_s"] = {p: [r[f"phase.{p}"] for r in per_rank] for p in STEP_PHASES}
+            if all(r["compute_cpu"] >= 0 for r in per_rank):
+                entry["rank_compute_cpu_s"] = [r["compute_cpu"] for r in per_rank]      # StepOutput.compute_cpu_s
+            norms = [r["grad_norm"] for r in per_rank if r["grad_norm"] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)
             steps.append(entry)
@@ -159,7 +158,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             print(f"[bench] step {step + 1}/{total}{' (warm-up)' if step < cfg.warmup else ''} "
                   f"loss {entry['loss']:.5f} {latency:.3f} s", flush=True)
         if not torch.isfinite(losses).all():     # reduced, so every rank sees it and all stop here
-            _stop_nonfinite(step, losses.tolist(), [g[4].item() for g in gathered], rank, progress)
+            _stop_nonfinite(step, losses.tolist(), [r["loss_sum"] for r in per_rank], rank, progress)
         if step == total - 1 and adapter.records_timeline:
             _attach_timeline(steps, result.timeline, rank, world, device)
     machine_load = machine.outside_load(machine_start, machine.snapshot()) if rank == 0 else None
@@ -195,6 +194,14 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         tmp.rename(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _gather_named(values: dict[str, float], world: int, device) -> list[dict[str, float]]:
+    """Every rank's `values` (the same names on every rank), on every rank: one all-gather."""
+    names = list(values)
+    gathered = [torch.zeros(len(names), dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device))
+    return [dict(zip(names, g.tolist())) for g in gathered]
 
 
 def _stop_nonfinite(step: int, losses: list[float], local_sums: list[float], rank: int, progress: Progress) -> None:
