@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bench.bootstrap import RESAMPLES, bootstrap_medians, rng as _rng
+
 CONFIDENCE = 0.95
-RESAMPLES = 4000
-SEED = 20261201
 
 
 @dataclass(frozen=True)
@@ -51,15 +51,6 @@ class Ratio:
                 f"no difference beyond the noise (±{noise:.0f}%)")
 
 
-def _rng(seed: int | None) -> np.random.Generator:
-    return np.random.default_rng(SEED if seed is None else seed)
-
-
-def _bootstrap_medians(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
-    idx = rng.integers(0, len(x), size=(resamples, len(x)))
-    return np.median(x[idx], axis=1)
-
-
 def summarize(values, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int | None = None) -> Summary:
     """Median, bootstrap interval of the median and coefficient of variation of repeats."""
     x = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=np.float64)
@@ -68,7 +59,7 @@ def summarize(values, confidence: float = CONFIDENCE, resamples: int = RESAMPLES
     med = float(np.median(x))
     if len(x) < 2:
         return Summary(1, med, math.nan, math.nan, math.nan)
-    boot = _bootstrap_medians(x, _rng(seed), resamples)
+    boot = bootstrap_medians(x, _rng(seed), resamples)
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(boot, [tail, 1.0 - tail])
     cv = float(np.std(x, ddof=1) / np.mean(x)) if np.mean(x) else math.nan
@@ -86,7 +77,7 @@ def ratio_of_medians(a, b, confidence: float = CONFIDENCE, resamples: int = RESA
     if len(xa) < 2 or len(xb) < 2:
         return Ratio(value, math.nan, math.nan, len(xa), len(xb))
     rng = _rng(seed)
-    ratios = _bootstrap_medians(xa, rng, resamples) / _bootstrap_medians(xb, rng, resamples)
+    ratios = bootstrap_medians(xa, rng, resamples) / bootstrap_medians(xb, rng, resamples)
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(ratios, [tail, 1.0 - tail])
     return Ratio(value, float(low), float(high), len(xa), len(xb))

@@ -1,7 +1,7 @@
 """The report's tables: the headline comparison, one row per configuration, and the simulator
 against the measured repeats. Every number that summarizes repeats comes from analysis.repeats
 and analysis.stats (median, 95% interval, verdict only beyond the noise); the validation's
-noise floor from bench.sim.validate.noise_pct, which its own table uses too."""
+noise floor from bench.bootstrap.noise_pct, which bench validate's own table uses too."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ import pandas as pd
 from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
 from analysis.repeats import best_layouts, configurations, with_speedups
 from analysis.stats import ratio_of_medians, summarize
-from bench.sim.validate import noise_pct
+from bench.bootstrap import noise_pct
 
 ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
 
@@ -221,7 +221,7 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
     md += ["", f"{len(table)} configurations: mean |error| {err.mean():.1f}%, median {err.median():.1f}%, max "
                f"{err.max():.1f}%; {int(table['within spread'].sum())}/{len(table)} within the measured spread, "
                f"{int((err <= 10).sum())}/{len(table)} within 10%. The repeats' own noise: a model exact on "
-               f"average would read {table['noise %'].mean():.1f}% off these medians (bench.sim.validate.noise_pct).",
+               f"average would read {table['noise %'].mean():.1f}% off these medians (bench.bootstrap.noise_pct).",
            ""]
     return md
 

@@ -231,7 +231,7 @@ def test_phase_rows_set_the_ranks_schedule_cpu_against_the_simulated_work():
 
 
 def test_noise_is_the_medians_own_scatter_over_resamples_of_the_repeats():
-    from bench.sim.validate import noise_pct
+    from bench.bootstrap import noise_pct
     # (1, 1, 4): a resample's median is 4 when two or three of its three draws are 4,
     # P = 3 (1/3)^2 (2/3) + (1/3)^3 = 7/27, else 1; so the mean |median* - 1| / 1 = 3 x 7/27.
     assert noise_pct([1.0, 1.0, 4.0]) == pytest.approx(100 * 3 * 7 / 27, abs=5.0)

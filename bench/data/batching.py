@@ -54,7 +54,7 @@ def assign_grouped(ids: list[int], costs: list[tuple[float, float, float]], grou
     from workloads import reorder
     ranks = assign(ids, costs, groups, rows, "none")
     positions = {i: k for k, i in enumerate(ids)}
-    if policy in ("intra", "both") and groups > 1:
+    if policy in ("intra", "both"):
         for m in range(len(ranks[0])):
             members = [positions[i] for r in ranks for i in r[m]]
             parts = reorder.intra_microbatch_assign([costs[p] for p in members], groups, rows)

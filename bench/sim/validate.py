@@ -25,23 +25,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.bootstrap import noise_pct
+
 GOAL_PCT = 10.0
-NOISE_RESAMPLES = 4000
-
-
-def noise_pct(measured: list[float], resamples: int = NOISE_RESAMPLES, seed: int = 0) -> float:
-    """How far, in % of the median, a model exact on average would read from the median of these
-    repeats: the mean |bootstrap median - median| / median (the median's own scatter over
-    resamples of the repeats). 0 for a single run (nothing to tell the noise from)."""
-    import numpy as np
-    x = np.asarray(measured, dtype=np.float64)
-    if x.size < 2:
-        return 0.0
-    median = float(np.median(x))
-    draws = np.random.default_rng(seed).choice(x, size=(resamples, x.size))
-    return 100.0 * float(np.mean(np.abs(np.median(draws, axis=1) - median))) / median
-
-
 def simulatable(system: str) -> bool:
     """Whether `system` is registered and prices its iterations (SystemAdapter.simulate_step)."""
     from systems.base import ConfigError, get_system
