@@ -221,3 +221,25 @@ def test_gpu_profile_module_runs_on_cpu_with_tiny_shapes(tmp_path):
     for r in p["layers"]:
         assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["mfu"] is None and r["mfu_vs_matmul"] > 0
         assert r["training_flops"] == rank_training_flops(by[r["name"]], r["tp"])
+
+
+@pytest.mark.multiprocess
+def test_bf16_layers_hold_every_parameter_in_bf16():
+    """CUDA's layer_norm refuses a bf16 input with fp32 weights (CPU's accepts one), so the 4 Dec
+    H200 check failed every encoder and generator layer and both Megatron runs: the blocks are
+    cast whole, as Megatron-LM's Float16Module casts its model. In its own process (CPU shims)."""
+    code = """
+import torch
+from bench.profile.gpu import _build_layer
+from bench.profile.layers import layer_shapes
+from bench.profile.measure import init_single_process
+teardown = init_single_process(torch.device("cpu"))
+for shape in layer_shapes(("tiny",), 64):
+    block, _ = _build_layer(shape, 1, "local", torch.device("cpu"), torch.bfloat16)
+    print(shape.name, sorted({str(p.dtype) for p in block.parameters()}))
+teardown()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 3 and all(line.endswith("['torch.bfloat16']") for line in lines), lines

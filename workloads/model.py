@@ -71,8 +71,12 @@ def _block(config: TransformerConfig, pg, *, causal: bool, pre_process=True, pos
         layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
         layers = get_num_layers_to_build(config, vp_stage, pg.pp.rank())
         spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
-    return TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process, pg_collection=pg,
-                            vp_stage=vp_stage)
+    block = TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process, pg_collection=pg,
+                             vp_stage=vp_stage)
+    # Every parameter in the training dtype, as Megatron-LM's Float16Module casts its model: the
+    # torch norms megatron-core falls back to without apex build fp32 weights, and CUDA's
+    # layer_norm refuses a bf16 input with them (CPU's accepts it; the 4 Dec H200 check found it).
+    return block.to(config.params_dtype)
 
 
 def layers_only(config: TransformerConfig, pg, *, causal: bool, attention: str = "local") -> TransformerBlock:

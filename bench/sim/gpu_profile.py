@@ -8,7 +8,8 @@ with what was measured on it instead of the assumed constants:
                       measured with the fused attention where the profile has it
                       (the cost model assumes a fused attention core: bench/sim/gemm.py); a
                       workload whose layer shape was not measured gets the median of that
-                      module's measured layers, and the record says so;
+                      module's measured layers, and the record says so; a module with no
+                      measured layer at all keeps its assumed efficiency, and the record says that;
   gemm_table          the profile's GEMM table: compute_model "table" scales that efficiency to
                       TP t by the table's per-rank GEMM rates (bench/sim/gemm.py).
 A GPU never profiled keeps the datasheet peak x bench.metrics.DEFAULT_EFFICIENCY on the roofline.
@@ -92,6 +93,10 @@ def with_measured_compute(cluster, workload=None, root: Path | None = None):
         raise ValueError(f"{path} profiles {prof['hardware'].get('spec')} {prof['dtype']}, "
                          f"not {cluster.gpu} {cluster.dtype}")
     eff, how = module_efficiency(prof, workload)
+    unmeasured = [m for m in MODULES if m not in eff]
+    if unmeasured:      # a module with no measured layer keeps the assumed efficiency, and says so
+        how += "; " + "; ".join(f"{m} {cluster.efficiency[m]:.3f} assumed (the profile measured no {m} layer)"
+                                for m in unmeasured)
     try:
         where = path.resolve().relative_to(Path(__file__).resolve().parents[2])
     except ValueError:
