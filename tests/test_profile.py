@@ -126,10 +126,32 @@ def test_a_module_whose_flops_explain_nothing_keeps_the_peak_rate_and_its_overhe
     t = [0.0003, 0.0130, 0.0133, 0.0202, 0.0191, 0.0141, 0.0076, 0.0195]
     rec = {"fwd": [x / 2 for x in t], "bwd": [x / 2 for x in t], "flops": flops, "calls": calls,
            "tokens": [1] * 8, "mem": [0]}
-    m = module_summary("encoder", rec, 2, 8e10)
+    m = module_summary(rec, 2, 8e10)
     assert m["rate_flops"] == pytest.approx(8e10) and m["overhead_s"] == pytest.approx(0.0063, abs=3e-4)
     pred = [m["overhead_s"] * c + f / m["rate_flops"] for c, f in zip(calls[1:], flops[1:])]
     assert np.allclose(pred, t[1:], rtol=0.25) and m["fit_r2"] > 0.8
+
+
+def test_backbone_fit_separates_overhead_from_rate_over_two_microbatch_sizes():
+    # tiny's backbone on 4 Dec: 13.4 ms at 2 samples, 37.1 ms at 8 (one call each). At one size its
+    # FLOPs never vary, so the fit gave all the time to the rate: at 8 it predicted 4 x 13.4 = 53.6 ms.
+    from bench.profile.fit import module_summary
+    per_sample = 8.26e7
+    rec = {"fwd": [0.0134 / 3] * 4 + [0.0371 / 3] * 2, "bwd": [0.0134 * 2 / 3] * 4 + [0.0371 * 2 / 3] * 2,
+           "flops": [2 * per_sample] * 4 + [8 * per_sample] * 2, "calls": [1] * 6, "samples": [2] * 4 + [8] * 2,
+           "tokens": [128] * 4 + [512] * 2, "mem": [10] * 4 + [40] * 2}
+    m = module_summary(rec, 2, 1e11, mbs=2)
+    predict = lambda samples: m["overhead_s"] + samples * per_sample / m["rate_flops"]
+    assert predict(2) == pytest.approx(0.0134) and predict(8) == pytest.approx(0.0371)
+    assert m["overhead_s"] == pytest.approx(0.0134 - (0.0371 - 0.0134) / 3)
+    # everything else describes the workload's own microbatches
+    assert m["microbatches"] == 4 and m["forward_s"] == pytest.approx(0.0134 / 3)
+    assert m["tokens_per_microbatch"] == 128 and m["activation_bytes"] == 10
+    assert m["efficiency"] == pytest.approx(2 * per_sample / 0.0134 / 1e11)
+    # at one size alone: no overhead, the achieved rate (what a profile without larger microbatches gives)
+    one = {k: v[:4] for k, v in rec.items()}
+    m1 = module_summary(one, 2, 1e11, mbs=2)
+    assert m1["overhead_s"] == 0.0 and m1["rate_flops"] == pytest.approx(2 * per_sample / 0.0134)
 
 
 def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():

@@ -578,6 +578,20 @@ def test_a_stage_tail_runs_after_its_own_last_backward_or_its_groups():
     assert end == pytest.approx(5.0) and flush == pytest.approx(4.0)
 
 
+def test_a_stage_head_loads_while_the_stages_before_it_compute():
+    # DistTrain's ranks each load their own data before their schedule: stage 1 loads during
+    # stage 0's forward; by hand, with F = B = 1 per stage and one microbatch
+    from bench.sim.schedule import Chain, shared_1f1b
+    one = np.ones((1, 2))
+    head = lambda h0, h1: Chain(one, one, head=np.array([h0, h1]))
+    assert shared_1f1b([head(0.0, 0.5)], cores=2)[0] == pytest.approx(4.0)    # hidden behind F(0)
+    assert shared_1f1b([head(0.0, 1.5)], cores=2)[0] == pytest.approx(4.5)    # F(1) starts at 1.5
+    assert shared_1f1b([head(0.5, 0.0)], cores=2)[0] == pytest.approx(4.5)    # the pipeline's start waits
+    # one core: F(0) and stage 1's load of 1 share it (half speed each, both end at 2), then 3 more
+    assert shared_1f1b([head(0.0, 1.0)], cores=1)[0] == pytest.approx(5.0)
+    # the same work in sequence (load, then the schedule) would take 1 + 4
+
+
 def test_shared_vs_uniform_oversubscription():
     # 4 processes on 2 cores: a module pipeline whose ranks mostly wait is barely slowed when only
     # busy processes share the cores, but twice as slow under the uniform min(1, C/P) rule

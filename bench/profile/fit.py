@@ -65,42 +65,55 @@ def data_costs(w, metas, load_times, collate_times) -> dict:
                       "resolution^2); collate median per microbatch"}
 
 
-def module_summary(name, rec, layers, peak) -> dict:
+def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
+    """A module's profile entry from time_modules' record: times, FLOPs, tokens and memory of the
+    microbatches of `mbs` samples (all of them if None); the fit time = overhead x calls + FLOPs
+    / rate over every microbatch timed, of every size."""
     fwd, bwd = np.array(rec["fwd"]), np.array(rec["bwd"])
     flops = np.array(rec["flops"])
     calls = np.array(rec["calls"], dtype=np.float64)
+    samples = np.array(rec.get("samples") or [mbs or 0] * len(flops))
     live = flops > 0
-    tot_t, tot_f = float((fwd + bwd)[live].sum()), float(flops[live].sum())
+    own = live & (samples == mbs) if mbs is not None else live
+    tot_t, tot_f = float((fwd + bwd)[own].sum()), float(flops[own].sum())
     achieved = tot_f / tot_t if tot_t > 0 else 0.0
-    # time = overhead x calls + FLOPs / rate (one call per image-resolution group; the backbone's
-    # work per microbatch is constant, so all of its time goes to the rate)
-    y = (fwd + bwd)[live]
-    a, b = (fit_linear_nonneg(np.c_[calls[live], flops[live]], y) if name != "backbone" and live.sum() >= 2
-            else (0.0, 1.0 / achieved if achieved else 0.0))
-    if name != "backbone" and live.sum() >= 2 and (b <= 0 or 1.0 / b > 1.5 * peak):
+    # time = overhead x calls + FLOPs / rate (one call per image-resolution group; the backbone is
+    # one call per microbatch, so only microbatches of different sizes separate its two terms)
+    y, x_calls, x_flops = (fwd + bwd)[live], calls[live], flops[live]
+    separable = live.sum() >= 2 and np.ptp(x_flops) > 0 and np.ptp(x_flops / np.maximum(x_calls, 1)) > 0
+    a, b = fit_linear_nonneg(np.c_[x_calls, x_flops], y) if separable else (0.0, 1.0 / achieved if achieved else 0.0)
+    if separable and (b <= 0 or 1.0 / b > 1.5 * peak):
         # FLOPs explain almost nothing (tiny layers): no rate, or an implausible one; keep the peak
         # as rate and give the rest to the per-call overhead (the achieved rate, overhead included,
         # would count that overhead twice)
         b = 1.0 / peak
-        a = max(0.0, float(((y - b * flops[live]) * calls[live]).sum() / (calls[live] ** 2).sum()))
-    pred = a * calls[live] + b * flops[live]
+        a = max(0.0, float(((y - b * x_flops) * x_calls).sum() / (x_calls ** 2).sum()))
+    pred = a * x_calls + b * x_flops
     tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((pred - y) ** 2).sum()) / tot if tot > 0 else 1.0
     rate = 1.0 / b if b > 0 else achieved
-    n = max(int(live.sum()), 1)
+    n = max(int(own.sum()), 1)
     return {
-        "layers": layers, "microbatches": int(live.sum()),
-        "forward_s": float(fwd[live].mean()) if live.any() else 0.0,
-        "backward_s": float(bwd[live].mean()) if live.any() else 0.0,
-        "forward_s_per_layer": float(fwd[live].sum() / n / layers),
-        "backward_s_per_layer": float(bwd[live].sum() / n / layers),
-        "flops_per_microbatch": tot_f / n, "tokens_per_microbatch": float(np.array(rec["tokens"])[live].mean())
-        if live.any() else 0.0,
+        "layers": layers, "microbatches": int(own.sum()),
+        "forward_s": float(fwd[own].mean()) if own.any() else 0.0,
+        "backward_s": float(bwd[own].mean()) if own.any() else 0.0,
+        "forward_s_per_layer": float(fwd[own].sum() / n / layers),
+        "backward_s_per_layer": float(bwd[own].sum() / n / layers),
+        "flops_per_microbatch": tot_f / n, "tokens_per_microbatch": float(np.array(rec["tokens"])[own].mean())
+        if own.any() else 0.0,
         "achieved_flops": achieved, "efficiency": achieved / peak if peak else 0.0,
         "overhead_s": float(a), "rate_flops": float(rate), "fit_r2": float(r2),
         "fit": "forward + backward seconds = overhead_s x calls + FLOPs / rate_flops (calls: image-resolution "
                "groups the module runs as dense batches; least squares, non-negative)",
-        "activation_bytes": int(max(rec["mem"])) if rec["mem"] else 0,
-        "activation_bytes_per_layer": int(max(rec["mem"]) / layers) if rec["mem"] else 0,
-        "points": [[float(f), float(x), float(y), int(c)] for f, x, y, c in zip(flops, fwd, bwd, calls)],
+        "activation_bytes": _own_max(rec["mem"], own),
+        "activation_bytes_per_layer": int(_own_max(rec["mem"], own) / layers),
+        "points": [[float(f), float(x), float(y), int(c), int(k)]
+                   for f, x, y, c, k in zip(flops, fwd, bwd, calls, samples)],
+        "points_columns": ["flops", "forward_s", "backward_s", "calls", "samples"],
     }
+
+
+def _own_max(mem, own) -> int:
+    """The largest activation bytes among the microbatches of the workload's size."""
+    picked = [m for m, o in zip(mem, own) if o] if len(mem) == len(own) else list(mem)
+    return int(max(picked)) if picked else 0

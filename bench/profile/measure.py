@@ -153,13 +153,15 @@ def run_pass(built: dict, mb, timer, record=None, memory=None) -> None:
             memory[name] = sum(saved.values())
 
 
-def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0):
+def time_modules(w, mbs_list, metas, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0):
     """Per module and microbatch: median forward / backward seconds, forward + backward CPU seconds of
-    the process (all its threads: gloo's too), activation memory (at TP `tp`:
-    every rank of the TP group calls this in lockstep). At least `repeats` passes, and more until the
+    the process (all its threads: gloo's too), activation memory, samples (at TP `tp`:
+    every rank of the TP group calls this in lockstep). `metas`: the microbatches' samples in
+    order (microbatches may differ in size). At least `repeats` passes, and more until the
     passes took `min_seconds`."""
     built = build_modules(w, device, dtype, seed, tp)
-    out = {n: {"fwd": [], "bwd": [], "cpu": [], "mem": [], "flops": [], "tokens": [], "calls": []} for n in MODULES}
+    out = {n: {"fwd": [], "bwd": [], "cpu": [], "mem": [], "flops": [], "tokens": [], "calls": [], "samples": []}
+           for n in MODULES}
     mbs_dev = [mb.to(device) for mb in mbs_list]
     run_pass(built, mbs_dev[0], timer)           # warm-up (allocator, lazy inits)
     # Passes over all microbatches in training order, not one microbatch repeated back to back:
@@ -178,9 +180,10 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
         for k, mb in enumerate(mbs_dev):
             run_pass(built, mb, timer, passes[k])
         done += 1
+    first = 0
     for k, mb in enumerate(mbs_dev):
         rec, mem = passes[k], memory[k]
-        mb_metas = metas[k * mbs:(k + 1) * mbs]
+        mb_metas, first = metas[first:first + mb.size], first + mb.size
         for n in MODULES:
             out[n]["fwd"].append(statistics.median(rec[n]["fwd"]))
             out[n]["bwd"].append(statistics.median(rec[n]["bwd"]))
@@ -190,6 +193,7 @@ def time_modules(w, mbs_list, metas, mbs, device, dtype, repeats, seed, timer, t
             out[n]["tokens"].append(_tokens(w, n, mb_metas))
             out[n]["calls"].append({"encoder": len(mb.image_groups), "backbone": 1,
                                     "generator": len(mb.latent_groups)}[n])
+            out[n]["samples"].append(mb.size)
     params = {n: sum(p.numel() for p in built[n][0].parameters()) for n in MODULES}
     return out, params, built
 

@@ -72,6 +72,12 @@ __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "
 # fast or slow stretch (bench.profile.measure.time_modules); 30 s spans several.
 DEFAULT_MIN_SECONDS = 30.0
 
+# The modules are also timed on microbatches this many times the workload's (the same samples
+# regrouped), so the fit can tell a per-call overhead from the rate: at one size every backbone
+# microbatch has the same FLOPs, and a run at another microbatch size got the overhead scaled with
+# it (tiny's backbone: 13.4 ms at 2 samples, 37.1 ms at 8 on 4 Dec, 4x the FLOPs in 2.8x the time).
+SIZE_FACTOR = 4
+
 # On CPU only CPU-sized workloads: a paper-scale backbone does not fit in this machine's memory.
 CPU_MAX_PARAMS = 500e6
 
@@ -130,8 +136,11 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        rec, params, built = time_modules(w, batches, metas, mbs, dev, tdtype, repeats, seed, timer,
-                                          min_seconds=min_seconds)
+        larger, larger_metas, *_ = load_microbatches(w, seed, SIZE_FACTOR * mbs, max(1, microbatches // SIZE_FACTOR),
+                                                     root, num_samples)
+        used = lambda bs, ms: ms[:sum(b.size for b in bs)]
+        rec, params, built = time_modules(w, batches + larger, used(batches, metas) + used(larger, larger_metas),
+                                          dev, tdtype, repeats, seed, timer, min_seconds=min_seconds)
         if device == "cpu":
             peaks.append(measure_cpu_matmul_flops(dtype=tdtype))
         peak_mem = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
@@ -143,7 +152,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
             peak = max(peaks)
     finally:
         teardown()
-    modules = {n: module_summary(n, rec[n], getattr(w, n).num_layers, peak) | {"params": params[n]}
+    modules = {n: module_summary(rec[n], getattr(w, n).num_layers, peak, mbs) | {"params": params[n]}
                for n in MODULES}
     log(f"[profile]   peak {peak:.3g} FLOP/s (of {', '.join(f'{p:.3g}' for p in peaks)})")
     for n in MODULES:
@@ -182,6 +191,9 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "versions": versions(),
         "dtype": dtype, "micro_batch_size": mbs, "seed": seed, "dataset": str(ds_path.name),
         "microbatches": len(batches), "repeats": repeats, "min_seconds": min_seconds,
+        "fit_microbatches": {"micro_batch_size": SIZE_FACTOR * mbs, "count": len(larger),
+                             "use": "the per-module fit only (overhead_s, rate_flops); every other module "
+                                    "number is at micro_batch_size"},
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_measurements": peaks,
         "timing_method": ("whole module forward and backward (megatron DDP-wrapped, TP = 1) on real preprocessed "

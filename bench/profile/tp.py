@@ -65,7 +65,7 @@ def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: 
         w = get_workload(workload, data_profile)
         mbs = w.micro_batch_size
         batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
-        rec, _, _ = time_modules(w, batches, metas, mbs, dev, torch.float32, repeats, seed, Timer(dev), tp=tp)
+        rec, _, _ = time_modules(w, batches, metas, dev, torch.float32, repeats, seed, Timer(dev), tp=tp)
         Path(f"{out_file}.{rank}").write_text(json.dumps(
             {n: {"wall": [f + b for f, b in zip(rec[n]["fwd"], rec[n]["bwd"])], "cpu": rec[n]["cpu"]}
              for n in MODULES}))

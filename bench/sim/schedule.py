@@ -127,7 +127,9 @@ class Chain:
     gradient-norm all-reduce). `stall` ([S] seconds, or None): how long each stage sleeps between
     two of its own operations, on the blocking transfers around them, beyond what `links` and the
     operations hold (on an oversubscribed CPU, its and its peers' threads waiting for a core:
-    bench.sim.cluster.Cluster.handoff_stall); it uses no core."""
+    bench.sim.cluster.Cluster.handoff_stall); it uses no core. `head` ([S] seconds, processes
+    `wh`): work each stage does before its first operation (its ranks loading the step's data
+    in the trainers: a downstream stage loads while the stages before it compute)."""
     fwd: np.ndarray
     bwd: np.ndarray
     links: list | None = None
@@ -137,6 +139,8 @@ class Chain:
     wt: np.ndarray | None = None
     tail_group: list | None = None
     stall: np.ndarray | None = None
+    head: np.ndarray | None = None
+    wh: np.ndarray | None = None
 
 
 def tail_ends(clock, tail, tail_group=None) -> np.ndarray:
@@ -173,7 +177,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
     operation keeping w processes busy progresses, while the running operations keep D
     processes busy in all, at min(1, cores / D) / contention(D) of its full speed (processor
     sharing; a process waiting for a message uses no core). Transfers are delays that use no core, and so is
-    a stage's Chain.stall before each of its forwards and backwards.
+    a stage's Chain.stall before each of its forwards and backwards. A stage's Chain.head is work
+    from time 0, before its first forward.
     Event-driven and exact for that fluid model. Returns (makespan, end time per chain, per chain
     the end of its last forward or backward: its pipeline flush, before any Chain.tail).
     With enough cores (D <= cores always) it equals one_f_one_b on every chain.
@@ -190,11 +195,14 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
         wt = np.ones(S) if ch.wt is None else np.asarray(ch.wt, dtype=np.float64)
         group = [-1] * S if ch.tail_group is None else list(ch.tail_group)
         stall = np.zeros(S) if ch.stall is None else np.asarray(ch.stall, dtype=np.float64)
+        head = np.zeros(S) if ch.head is None else np.asarray(ch.head, dtype=np.float64)
+        wh = np.ones(S) if ch.wh is None else np.asarray(ch.wh, dtype=np.float64)
         ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S, "tail": tail, "wt": wt,
-                    "group": group, "stall": stall,
+                    "group": group, "stall": stall, "head": head, "wh": wh,
                     "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0}
         st.append(ch_state)
-    stages = [(c, s, stage_ops(s, ch["S"], ch["m"]) + ([(2, 0)] if ch["tail"][s] > 0 else []))
+    stages = [(c, s, ([(3, 0)] if ch["head"][s] > 0 else []) + stage_ops(s, ch["S"], ch["m"])
+               + ([(2, 0)] if ch["tail"][s] > 0 else []))
               for c, ch in enumerate(st) for s in range(ch["S"])]
     ptr = [0] * len(stages)
     running: dict[int, list] = {}    # stage index -> [remaining work, weight, kind, j]
@@ -208,7 +216,9 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 continue
             ch = st[c]
             kind, j = ops[ptr[i]]
-            if kind == 2:                # the stage's tail: after its own (and its group's) last operation
+            if kind == 3:                # the stage's head: from the start
+                ready = 0.0
+            elif kind == 2:              # the stage's tail: after its own (and its group's) last operation
                 mates = [x for x in range(ch["S"]) if ch["group"][x] == ch["group"][s] >= 0]
                 if any((ch["b_end"][x] < 0).any() for x in mates):
                     continue
@@ -230,8 +240,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
             prev = max(ch["f_end"][s].max(), ch["b_end"][s].max(), 0.0)    # the stage's own last op
             ready = max(ready, prev + (ch["stall"][s] if kind < 2 else 0.0))
             if ready <= t + eps:
-                if kind == 2:
-                    work, weight = ch["tail"][s], ch["wt"][s]
+                if kind >= 2:
+                    work, weight = (ch["tail"][s], ch["wt"][s]) if kind == 2 else (ch["head"][s], ch["wh"][s])
                 else:
                     work = (ch["fwd"] if kind == 0 else ch["bwd"])[j][s]
                     weight = (ch["wf"] if kind == 0 else ch["wb"])[j][s]

@@ -186,20 +186,33 @@ def simulate_step(layout, step, kit) -> StepCost:
                                 ranks[1 + s] if shared else None)
                        + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
     group = [-1] + [0] * pp + [-1]
+    # Every rank preprocesses its own rows before its schedule (bench.data.source): per column, its
+    # slowest rank's loading
+    heads = _loading(C, host.load_s(bc), rows, pp, S, cluster) if rd is not None else np.zeros(S)
+    data = float(heads.max())
     if shared:                               # the module pipeline's ranks share the cores
-        chain = schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group, _stalls(cluster, E, G, dp, pp, S))
+        # Their loading too: a later module's ranks load while the encoder's compute, and the
+        # pipeline waits for the encoder ranks' data alone (the data wait the step shows)
+        heads = heads / cluster.host_slowdown      # as work: the processor sharing slows it (_alone)
+        chain = schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group, _stalls(cluster, E, G, dp, pp, S),
+                               head=heads, wh=ranks)
         end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.corun_slowdown,
                                                cluster.oversubscribed_slowdown)
+        data = float(heads[0])
+        pipe -= data
+        end -= data
     else:
         pipe, end = res.iteration_time, float(schedule.tail_ends(res.stage_end, tail, group).max())
     gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]
-    data = 0.0
-    if rd is not None:
-        load = host.load_s(bc)
-        for key in MODULES:
-            for r in rows[key]:                  # every rank preprocesses its own rows
-                data = max(data, C.data_time(load, [i for mb in r for i in mb], len(r), cluster))
     return StepCost(pipe, end - pipe + C.harness_time(gpus, cluster), busy, max(mem), gpus, first, data)
+
+
+def _loading(C, load, rows, pp: int, S: int, cluster) -> np.ndarray:
+    """Per column (encoder, backbone stages, generator): seconds its slowest rank takes to
+    preprocess its own rows of the step."""
+    one = {key: max((C.data_time(load, [i for mb in r for i in mb], len(r), cluster) for r in rows[key]), default=0.0)
+           for key in MODULES}
+    return np.array([one["encoder"]] + [one["backbone"]] * pp + [one["generator"]])
 
 
 def _alone(host_s: float, cluster) -> float:
