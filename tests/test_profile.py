@@ -135,7 +135,7 @@ def test_a_module_whose_flops_explain_nothing_keeps_the_peak_rate_and_its_overhe
 def test_backbone_fit_separates_overhead_from_rate_over_two_microbatch_sizes():
     # tiny's backbone on 4 Dec: 13.4 ms at 2 samples, 37.1 ms at 8 (one call each). At one size its
     # FLOPs never vary, so the fit gave all the time to the rate: at 8 it predicted 4 x 13.4 = 53.6 ms.
-    from bench.profile.fit import module_summary
+    from bench.profile.fit import module_summary, own_seconds
     per_sample = 8.26e7
     rec = {"fwd": [0.0134 / 3] * 4 + [0.0371 / 3] * 2, "bwd": [0.0134 * 2 / 3] * 4 + [0.0371 * 2 / 3] * 2,
            "flops": [2 * per_sample] * 4 + [8 * per_sample] * 2, "calls": [1] * 6, "samples": [2] * 4 + [8] * 2,
@@ -148,6 +148,7 @@ def test_backbone_fit_separates_overhead_from_rate_over_two_microbatch_sizes():
     assert m["microbatches"] == 4 and m["forward_s"] == pytest.approx(0.0134 / 3)
     assert m["tokens_per_microbatch"] == 128 and m["activation_bytes"] == 10
     assert m["efficiency"] == pytest.approx(2 * per_sample / 0.0134 / 1e11)
+    assert own_seconds(rec, 2) == pytest.approx(4 * 0.0134)     # what TP 2 is compared with: the same microbatches
     # at one size alone: no overhead, the achieved rate (what a profile without larger microbatches gives)
     one = {k: v[:4] for k, v in rec.items()}
     m1 = module_summary(one, 2, 1e11, mbs=2)

@@ -57,7 +57,7 @@ from bench.profile.dp_groups import measure_dp_groups
 from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
                                  load_profile, versions, write_profile)
-from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
+from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary, own_seconds
 from bench.profile.gemm import gemm_table
 from bench.profile.handoff import measure_handoff
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
@@ -217,8 +217,9 @@ def _measure_tp(w, rec, *, log, **kw) -> dict | None:
         log(f"[profile]   TP {TP} not measured: a module's attention heads do not split over {TP} ranks")
         return None
     try:
-        out = measure_tp(w.name, w.data_profile.name, {n: sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES},
-                         **kw)
+        # TP 2 runs the workload's own microbatches: the same ones at TP 1 (not the fit's larger ones)
+        tp1 = {n: own_seconds(rec[n], w.micro_batch_size) for n in MODULES}
+        out = measure_tp(w.name, w.data_profile.name, tp1, **kw)
     except (RuntimeError, OSError) as e:
         log(f"[profile]   TP {TP} not measured: {e}")
         return None
