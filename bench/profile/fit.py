@@ -113,11 +113,6 @@ def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
     }
 
 
-def own_seconds(rec, mbs: int) -> float:
-    """Forward + backward seconds of time_modules' microbatches of `mbs` samples, summed."""
-    return float(sum(f + b for f, b, k in zip(rec["fwd"], rec["bwd"], rec["samples"]) if k == mbs))
-
-
 def _own_max(mem, own) -> int:
     """The largest activation bytes among the microbatches of the workload's size."""
     picked = [m for m, o in zip(mem, own) if o] if len(mem) == len(own) else list(mem)

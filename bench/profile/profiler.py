@@ -57,7 +57,7 @@ from bench.profile.dp_groups import measure_dp_groups
 from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
                                  load_profile, versions, write_profile)
-from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary, own_seconds
+from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
 from bench.profile.gemm import gemm_table
 from bench.profile.handoff import measure_handoff
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
@@ -181,7 +181,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
     tp_result = corun = None
     if tp and device == "cpu":
         kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
-        tp_result = _measure_tp(w, rec, log=log, **kw)
+        tp_result = _measure_tp(w, log=log, **kw)
         corun = _measure_corun(w, log=log, **kw)
     elapsed = time.perf_counter() - started
     return {
@@ -210,16 +210,14 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
     }
 
 
-def _measure_tp(w, rec, *, log, **kw) -> dict | None:
+def _measure_tp(w, *, log, **kw) -> dict | None:
     """Each module at TP 2 in 2 processes (bench.profile.tp), or None where a module's heads do not split."""
     shapes = [getattr(w, n) for n in MODULES]
     if any(s.num_attention_heads % TP or getattr(s, "num_query_groups", TP) % TP for s in shapes):
         log(f"[profile]   TP {TP} not measured: a module's attention heads do not split over {TP} ranks")
         return None
     try:
-        # TP 2 runs the workload's own microbatches: the same ones at TP 1 (not the fit's larger ones)
-        tp1 = {n: own_seconds(rec[n], w.micro_batch_size) for n in MODULES}
-        out = measure_tp(w.name, w.data_profile.name, tp1, **kw)
+        out = measure_tp(w.name, w.data_profile.name, **kw)
     except (RuntimeError, OSError) as e:
         log(f"[profile]   TP {TP} not measured: {e}")
         return None

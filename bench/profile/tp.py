@@ -1,7 +1,7 @@
 """The modules on several local processes at once, measured: at TP 2, and side by side.
 
-TP 2: each module's forward + backward at TP 2 in two gloo processes, on the same microbatches
-the TP-1 timing uses. On a CPU a TP-2 module is far from twice as fast: its collectives go
+TP 2: each module's forward + backward at TP 2 in two gloo processes, against the same
+microbatches at TP 1 in a third process, in alternating passes. On a CPU a TP-2 module is far from twice as fast: its collectives go
 through gloo, its non-GEMM work (norms, residuals, dropout) is replicated on both ranks, and the
 two ranks wait for each other at every collective. Measured on the 2-core machine this project
 runs on (small-enc-heavy): the encoder ran *slower* at TP 2 than at TP 1. So the simulator's
@@ -47,61 +47,95 @@ MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs 
 # machine's drift. Phases are now one pass each, seconds apart, and seven rounds outvote stretches.
 CORUN_ROUNDS = 7
 CORUN_MICROBATCHES = 4   # a pass: the first of the profile's microbatches (small: ~2 s alone)
+# Rounds of (TP 1 pass, TP 2 pass) for the TP-2 speedup, the median of their own ratios (as the
+# co-run's): each timed apart from the other, minutes apart, drifted with the machine.
+TP_ROUNDS = 5
 
 
-def _modules_worker(rank: int, port: int, tp: int, workload: str, data_profile: str | None, seed: int,
-                    microbatches: int, repeats: int, data_root: str, num_samples: int, out_file: str) -> None:
-    """One TP group of `tp` processes; writes per module the forward + backward seconds of each
-    microbatch to out_file.<rank>."""
+def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, seed: int, microbatches: int,
+               data_root: str, num_samples: int, out_file: str) -> None:
+    """Ranks 0 and 1 form one TP-2 group; rank 2 runs the same modules at TP 1, a world of its own.
+    They take turns, TP_ROUNDS times: a pass of rank 2 over the microbatches while the pair waits
+    at a store barrier (using no core), then a pass of the pair while rank 2 waits. Per pass and
+    module: forward + backward wall seconds and the process's CPU seconds (gloo's threads too)."""
     import torch
     import torch.distributed as dist
-    from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules
+    from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
     from workloads.presets import get_workload
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    store = dist.TCPStore("127.0.0.1", port, TP + 1, rank == 0)
+
+    def barrier(tag: str) -> None:
+        if store.add(tag, 1) == TP + 1:
+            store.set(tag + "/open", "1")
+        store.wait([tag + "/open"])
+    tp = TP if rank < TP else 1
+    if tp > 1:
+        dist.init_process_group("gloo", store=dist.PrefixStore("tp", store), rank=rank, world_size=TP)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cpu")
     teardown = init_single_process(dev, tp=tp)
+    passes = []
     try:
         w = get_workload(workload, data_profile)
-        mbs = w.micro_batch_size
-        batches, metas, *_ = load_microbatches(w, seed, mbs, microbatches, Path(data_root), num_samples)
-        rec, _, _ = time_modules(w, batches, metas, dev, torch.float32, repeats, seed, Timer(dev), tp=tp)
-        Path(f"{out_file}.{rank}").write_text(json.dumps(
-            {n: {"wall": [f + b for f, b in zip(rec[n]["fwd"], rec[n]["bwd"])], "cpu": rec[n]["cpu"]}
-             for n in MODULES}))
+        batches, *_ = load_microbatches(w, seed, w.micro_batch_size, microbatches, Path(data_root), num_samples)
+        built, timer = build_modules(w, dev, torch.float32, seed, tp), Timer(dev)
+        for mb in batches:                       # warm-up (allocator, lazy inits)
+            run_pass(built, mb, timer)
+        for i, phase in enumerate([1, TP] * TP_ROUNDS):
+            barrier(f"phase{i}")
+            if phase != tp:
+                continue
+            rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+            for mb in batches:
+                run_pass(built, mb, timer, rec)
+            passes.append({n: {"wall": sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]), "cpu": sum(rec[n]["cpu"])}
+                           for n in MODULES})
+        Path(f"{out_file}.{rank}").write_text(json.dumps(passes))
     finally:
         teardown()
         dist.destroy_process_group()
 
 
-def _run(tp: int, what: str, timeout: float, args: tuple) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "modules.json"
-        run_processes(_modules_worker, (tp, *args), out, what, nprocs=tp, timeout=timeout)
-        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(tp)]
-
-
-def measure_tp(workload: str, data_profile: str | None, tp1_seconds: dict, *, seed: int, microbatches: int,
-               repeats: int, data_root: Path, num_samples: int, timeout: float = 600.0) -> dict:
-    """{"2": {module: {"seconds", "tp1_seconds", "speedup", "cpu_seconds", "busy"}}, "method"};
-    `tp1_seconds`: per module, the TP-1 forward + backward seconds of the same microbatches (the
-    profile's own timing). "busy": the share of the wall time each rank spends on a core (CPU
-    seconds / wall seconds, mean over the ranks): the rest it waits at the collectives for the other
-    rank, using no core, which the simulator's shared-core schedule must not charge as work."""
-    raw = _run(TP, f"TP-{TP} module timing", timeout,
-               (workload, data_profile, seed, microbatches, repeats, str(data_root), num_samples))
+def tp_speedups(pair: list[list[dict]], alone: list[dict]) -> dict:
+    """Per module, from the TP-2 ranks' passes and the TP-1 process's (one per round, _tp_worker):
+    "speedup" the median over the rounds of each round's TP-1 seconds / TP-2 seconds (the slower
+    rank's: the pair is in lockstep), "rounds" those ratios, "seconds" and "tp1_seconds" medians,
+    "cpu_seconds" each TP rank's over all rounds, "busy" the TP ranks' CPU / wall seconds (mean)."""
     rows = {}
     for n in MODULES:
-        t2, t1 = float(sum(raw[0][n]["wall"])), float(tp1_seconds[n])
-        shares = [min(1.0, sum(r[n]["cpu"]) / sum(r[n]["wall"])) for r in raw if sum(r[n]["wall"]) > 0]
-        busy = statistics.mean(shares) if shares else 1.0
-        rows[n] = {"seconds": t2, "tp1_seconds": t1, "speedup": t1 / t2 if t2 > 0 and t1 > 0 else 1.0,
-                   "cpu_seconds": [float(sum(r[n]["cpu"])) for r in raw], "busy": float(busy)}
-    return {str(TP): rows, "processes": TP,
-            "method": (f"each module's forward + backward at TP {TP} (megatron-core, gloo, {TP} local processes, one "
-                       f"thread each) on the profile's microbatches, passes in training order, median per "
-                       f"microbatch, summed; speedup = TP-1 seconds / TP-{TP} seconds, collectives included; "
-                       f"busy = process CPU seconds / wall seconds per rank, averaged over the ranks")}
+        t2 = [max(rank[i][n]["wall"] for rank in pair) for i in range(len(alone))]
+        t1 = [a[n]["wall"] for a in alone]
+        ratios = [a / b for a, b in zip(t1, t2) if a > 0 and b > 0] or [1.0]
+        shares = [min(1.0, sum(p[n]["cpu"] for p in rank) / wall)
+                  for rank in pair if (wall := sum(p[n]["wall"] for p in rank)) > 0]
+        rows[n] = {"seconds": statistics.median(t2), "tp1_seconds": statistics.median(t1),
+                   "speedup": statistics.median(ratios), "rounds": ratios,
+                   "cpu_seconds": [float(sum(p[n]["cpu"] for p in rank)) for rank in pair],
+                   "busy": float(statistics.mean(shares)) if shares else 1.0}
+    return rows
+
+
+def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatches: int, data_root: Path,
+               num_samples: int, timeout: float = 600.0, **_) -> dict:
+    """{"2": {module: tp_speedups' row}, "processes", "method"}: each module at TP 2 in two gloo
+    processes against TP 1 in a third, in alternating passes (_tp_worker). "busy": the share of
+    the wall time a TP rank spends on a core; the rest it waits at the collectives for the other
+    rank, using no core, which the simulator's shared-core schedule must not charge as work."""
+    count = min(microbatches, CORUN_MICROBATCHES)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        run_processes(_tp_worker, (workload, data_profile, seed, count, str(data_root), num_samples), out,
+                      f"TP-{TP} module timing", nprocs=TP + 1, timeout=timeout)
+        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(TP + 1)]
+    return {str(TP): tp_speedups(raw[:TP], raw[TP]), "processes": TP,
+            "method": (f"each module's forward + backward over {count} microbatches at TP {TP} (megatron-core, "
+                       f"gloo, {TP} local processes, one thread each) and at TP 1 (a third process), in "
+                       f"{TP_ROUNDS} rounds of alternating passes seconds apart (the machine's speed drifts: "
+                       f"TP-1 and TP-2 timed minutes apart put small-enc-heavy's encoder at 0.60 and 0.96 "
+                       f"an hour apart); speedup = the median of each round's TP-1 / TP-2 wall seconds, "
+                       f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged")}
 
 
 class _ThreadTimer(Timer):
