@@ -198,6 +198,8 @@ def simulate_step(layout, step, kit) -> StepCost:
                                head=heads, wh=ranks)
         end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.corun_slowdown,
                                                cluster.oversubscribed_slowdown)
+        # the step's data wait: the encoder ranks' loading priced alone (processor sharing may
+        # stretch it in the schedule; only the split between wait and schedule moves, not the step)
         data = float(heads[0])
         pipe -= data
         end -= data
