@@ -128,7 +128,7 @@ def test_a_module_whose_flops_explain_nothing_keeps_the_peak_rate_and_its_overhe
     calls, flops = [0, 2, 2, 3, 3, 2, 1, 3], [0, 6.9e6, 1.2e7, 2.7e7, 2e7, 1.1e7, 9.5e6, 4e7]
     t = [0.0003, 0.0130, 0.0133, 0.0202, 0.0191, 0.0141, 0.0076, 0.0195]
     rec = {"fwd": [x / 2 for x in t], "bwd": [x / 2 for x in t], "flops": flops, "calls": calls,
-           "tokens": [1] * 8, "mem": [0]}
+           "tokens": [1] * 8, "mem": [0] * 8}
     m = module_summary(rec, 2, 8e10)
     assert m["rate_flops"] == pytest.approx(8e10) and m["overhead_s"] == pytest.approx(0.0063, abs=3e-4)
     pred = [m["overhead_s"] * c + f / m["rate_flops"] for c, f in zip(calls[1:], flops[1:])]

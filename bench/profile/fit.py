@@ -115,5 +115,4 @@ def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
 
 def _own_max(mem, own) -> int:
     """The largest activation bytes among the microbatches of the workload's size."""
-    picked = [m for m, o in zip(mem, own) if o] if len(mem) == len(own) else list(mem)
-    return int(max(picked)) if picked else 0
+    return int(max((m for m, o in zip(mem, own, strict=True) if o), default=0))

@@ -1,9 +1,9 @@
 """The modules on several local processes at once, measured: at TP 2, and side by side.
 
 TP 2: each module's forward + backward at TP 2 in two gloo processes, against the same
-microbatches at TP 1 in a third process, in alternating passes. On a CPU a TP-2 module is far from twice as fast: its collectives go
-through gloo, its non-GEMM work (norms, residuals, dropout) is replicated on both ranks, and the
-two ranks wait for each other at every collective. Measured on the 2-core machine this project
+microbatches at TP 1 in a third process, in alternating passes. On a CPU a TP-2 module is far
+from twice as fast: its collectives go through gloo, its non-GEMM work (norms, residuals,
+dropout) is replicated on both ranks, and the two ranks wait for each other at every collective. Measured on the 2-core machine this project
 runs on (small-enc-heavy): the encoder ran *slower* at TP 2 than at TP 1. So the simulator's
 measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 seconds per module,
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
@@ -52,6 +52,13 @@ CORUN_MICROBATCHES = 4   # a pass: the first of the profile's microbatches (smal
 TP_ROUNDS = 5
 
 
+def _barrier(store, processes: int, tag: str) -> None:
+    """Wait until all `processes` reached `tag` (a TCPStore barrier: a waiting process uses no core)."""
+    if store.add(tag, 1) == processes:
+        store.set(tag + "/open", "1")
+    store.wait([tag + "/open"])
+
+
 def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, seed: int, microbatches: int,
                data_root: str, num_samples: int, out_file: str) -> None:
     """Ranks 0 and 1 form one TP-2 group; rank 2 runs the same modules at TP 1, a world of its own.
@@ -64,11 +71,6 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
     from workloads.presets import get_workload
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, TP + 1, rank == 0)
-
-    def barrier(tag: str) -> None:
-        if store.add(tag, 1) == TP + 1:
-            store.set(tag + "/open", "1")
-        store.wait([tag + "/open"])
     tp = TP if rank < TP else 1
     if tp > 1:
         dist.init_process_group("gloo", store=dist.PrefixStore("tp", store), rank=rank, world_size=TP)
@@ -84,7 +86,7 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
         for mb in batches:                       # warm-up (allocator, lazy inits)
             run_pass(built, mb, timer)
         for i, phase in enumerate([1, TP] * TP_ROUNDS):
-            barrier(f"phase{i}")
+            _barrier(store, TP + 1, f"phase{i}")
             if phase != tp:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
@@ -159,11 +161,6 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
     torch.set_num_threads(1)
     total = 2 * procs
     store = dist.TCPStore("127.0.0.1", port, total, rank == 0)
-
-    def barrier(tag: str) -> None:
-        if store.add(tag, 1) == total:
-            store.set(tag + "/open", "1")
-        store.wait([tag + "/open"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cpu")
     teardown = init_single_process(dev)
@@ -177,7 +174,7 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
         for mb in batches:                       # warm-up (allocator, lazy inits), every process at once
             run_pass(built, mb, timer)
         for i, phase in enumerate(list(runs) * CORUN_ROUNDS):
-            barrier(f"phase{i}")
+            _barrier(store, total, f"phase{i}")
             if rank >= runs[phase]:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
