@@ -157,6 +157,29 @@ def test_backbone_fit_separates_overhead_from_rate_over_two_microbatch_sizes():
     assert m1["overhead_s"] == 0.0 and m1["rate_flops"] == pytest.approx(2 * per_sample / 0.0134)
 
 
+def test_fit_gives_the_workload_size_its_measured_time_when_bigger_microbatches_run_slower_per_flop():
+    # small-enc-heavy's backbone on 4 Dec: 0.162 s at 2 samples (62 GFLOP/s), 0.86 s at 8 (47 GFLOP/s,
+    # beyond its caches). No overhead >= 0 explains that; a free fit over both sizes gave 49 GFLOP/s
+    # and priced the 2-sample microbatches the runs train on 25% slow. The fit keeps their time.
+    from bench.profile.fit import anchored_fit, module_summary
+    per_sample = 5.0e9
+    rec = {"fwd": [0.162 / 3] * 4 + [0.86 / 3] * 2, "bwd": [0.162 * 2 / 3] * 4 + [0.86 * 2 / 3] * 2,
+           "flops": [2 * per_sample] * 4 + [8 * per_sample] * 2, "calls": [1] * 6, "samples": [2] * 4 + [8] * 2,
+           "tokens": [384] * 4 + [1536] * 2, "mem": [10] * 4 + [40] * 2}
+    m = module_summary(rec, 4, 1e11, mbs=2)
+    assert m["overhead_s"] == 0.0 and m["rate_flops"] == pytest.approx(2 * per_sample / 0.162)
+    # with image groups of different sizes the own microbatches alone separate overhead from rate,
+    # and their total stays exact whatever the bigger ones add
+    calls, flops = np.array([1.0, 2, 3, 2]), np.array([2e9, 3e9, 9e9, 6e9])
+    y = 0.01 * calls + flops / 5e10
+    own = np.ones(4, bool)
+    a, b = anchored_fit(calls, flops, y, own, 1e11)
+    assert a == pytest.approx(0.01) and 1 / b == pytest.approx(5e10)
+    big_c, big_f, big_y = np.r_[calls, 3.0], np.r_[flops, 4e10], np.r_[y, 1.5]
+    a, b = anchored_fit(big_c, big_f, big_y, np.r_[own, False], 1e11)
+    assert a * calls.sum() + b * flops.sum() == pytest.approx(y.sum()) and a >= 0 and b > 0
+
+
 def test_tp_speedup_is_the_median_of_each_rounds_own_ratio():
     from bench.profile.tp import tp_speedups
     # TP 1 twice TP 2's time in every round; round 2 is a slow stretch for both (x1.5): still 2.0.

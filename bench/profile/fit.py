@@ -68,7 +68,7 @@ def data_costs(w, metas, load_times, collate_times) -> dict:
 def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
     """A module's profile entry from time_modules' record: times, FLOPs, tokens and memory of the
     microbatches of `mbs` samples (all of them if None); the fit time = overhead x calls + FLOPs
-    / rate over every microbatch timed, of every size."""
+    / rate (anchored_fit) over every microbatch timed, of every size."""
     fwd, bwd = np.array(rec["fwd"]), np.array(rec["bwd"])
     flops = np.array(rec["flops"])
     calls = np.array(rec["calls"], dtype=np.float64)
@@ -77,17 +77,8 @@ def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
     own = live & (samples == mbs) if mbs is not None else live
     tot_t, tot_f = float((fwd + bwd)[own].sum()), float(flops[own].sum())
     achieved = tot_f / tot_t if tot_t > 0 else 0.0
-    # time = overhead x calls + FLOPs / rate (one call per image-resolution group; the backbone is
-    # one call per microbatch, so only microbatches of different sizes separate its two terms)
     y, x_calls, x_flops = (fwd + bwd)[live], calls[live], flops[live]
-    separable = live.sum() >= 2 and np.ptp(x_flops) > 0 and np.ptp(x_flops / np.maximum(x_calls, 1)) > 0
-    a, b = fit_linear_nonneg(np.c_[x_calls, x_flops], y) if separable else (0.0, 1.0 / achieved if achieved else 0.0)
-    if separable and (b <= 0 or 1.0 / b > 1.5 * peak):
-        # FLOPs explain almost nothing (tiny layers): no rate, or an implausible one; keep the peak
-        # as rate and give the rest to the per-call overhead (the achieved rate, overhead included,
-        # would count that overhead twice)
-        b = 1.0 / peak
-        a = max(0.0, float(((y - b * x_flops) * x_calls).sum() / (x_calls ** 2).sum()))
+    a, b = anchored_fit(x_calls, x_flops, y, own[live] if own.any() else np.ones(len(y), bool), peak)
     pred = a * x_calls + b * x_flops
     tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((pred - y) ** 2).sum()) / tot if tot > 0 else 1.0
@@ -104,13 +95,37 @@ def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
         "achieved_flops": achieved, "efficiency": achieved / peak if peak else 0.0,
         "overhead_s": float(a), "rate_flops": float(rate), "fit_r2": float(r2),
         "fit": "forward + backward seconds = overhead_s x calls + FLOPs / rate_flops (calls: image-resolution "
-               "groups the module runs as dense batches; least squares, non-negative)",
+               "groups the module runs as dense batches; least squares over every microbatch timed, non-negative, "
+               "giving the workload-size microbatches' total time exactly)",
         "activation_bytes": _own_max(rec["mem"], own),
         "activation_bytes_per_layer": int(_own_max(rec["mem"], own) / layers),
         "points": [[float(f), float(x), float(y), int(c), int(k)]
                    for f, x, y, c, k in zip(flops, fwd, bwd, calls, samples)],
         "points_columns": ["flops", "forward_s", "backward_s", "calls", "samples"],
     }
+
+
+def anchored_fit(calls, flops, y, own, peak: float) -> tuple[float, float]:
+    """(overhead seconds per call, seconds per FLOP) of time = overhead x calls + FLOPs x spf:
+    least squares over all points (microbatches), both terms non-negative, constrained to give
+    the `own` points' (the workload's microbatch size) total time exactly. The other sizes only
+    split that time between overhead and rate, as far as they can: on this CPU a bigger
+    microbatch can run slower per FLOP (small-enc-heavy's backbone on 4 Dec: 62 GFLOP/s at 2
+    samples, 47 at 8, beyond its caches), which no positive overhead explains; an unconstrained
+    fit then priced the 2-sample microbatches the runs train on 25% too slow."""
+    C, F, T = float(calls[own].sum()), float(flops[own].sum()), float(y[own].sum())
+    if C <= 0 or F <= 0:                     # no calls or no FLOPs to split between
+        return 0.0, (T / F if F > 0 else 0.0)
+    # a = (T - b F) / C on the constraint; residual_i(b) = r0_i + b d_i, least squares in b
+    r0, d = T * calls / C - y, flops - F * calls / C
+    dd = float((d * d).sum())
+    b = -float((r0 * d).sum()) / dd if dd > 0 else T / F    # nothing separates them: all to the rate
+    b = min(max(b, 0.0), T / F)              # a >= 0 and b >= 0
+    if b <= 0 or 1.0 / b > 1.5 * peak:
+        # FLOPs explain almost nothing (tiny layers): no rate, or an implausible one; keep the peak
+        # as rate and give the rest to the per-call overhead
+        b = min(1.0 / peak, T / F)
+    return (T - b * F) / C, b
 
 
 def _own_max(mem, own) -> int:

@@ -48,8 +48,11 @@ MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs 
 CORUN_ROUNDS = 7
 CORUN_MICROBATCHES = 4   # a pass: the first of the profile's microbatches (small: ~2 s alone)
 # Rounds of (TP 1 pass, TP 2 pass) for the TP-2 speedup, the median of their own ratios (as the
-# co-run's): each timed apart from the other, minutes apart, drifted with the machine.
-TP_ROUNDS = 5
+# co-run's): each timed apart from the other, minutes apart, drifted with the machine. A TP-2
+# pair in lockstep stalls whenever either rank loses its core, so its rounds scatter more than
+# one process's: small-enc-heavy's encoder read 0.62-0.99 over five rounds of one profile (4 Dec),
+# a median of five moving by ~0.1 from profile to profile. Nine rounds, ~3 s each there.
+TP_ROUNDS = 9
 
 
 def _barrier(store, processes: int, tag: str) -> None:
