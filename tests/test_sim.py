@@ -308,6 +308,30 @@ def test_measured_tp_speedup_replaces_the_tp_model_on_cpu():
     assert sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 4, measured)) < one  # TP 4: not measured
 
 
+def test_a_measured_tp_time_is_priced_without_the_co_run_its_own_ranks_already_had():
+    """The profile's TP-2 pair ran both ranks at once, so its time holds their co-run slowdown; the
+    shared-core schedule slows every busy process by it again (schedule.contention). The module is
+    priced without it, so a TP-2 group alone on the profile's 2 cores takes its measured time."""
+    from bench.sim.cluster import cluster_from_profile
+    from bench.sim.schedule import Chain, contention, shared_1f1b
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["corun"] = {"slowdown": 1.2, "processes": 2}
+    prof["tp"] = {"2": {n: {"seconds": 1.0, "tp1_seconds": 0.8, "speedup": 0.8, "busy": 0.75}
+                        for n in ("encoder", "backbone", "generator")}}
+    cl = cluster_from_profile(prof, processes=2, cores=2)
+    own = contention(1.5, 2, 1.2)
+    assert cl.measured_tp_contention("backbone", 2) == pytest.approx(own) and own > 1.05
+    assert cl.measured_tp_contention("backbone", 4) == 1.0             # TP 4 not measured: modelled
+    sh = C.module_shapes(get_workload("tiny"))["backbone"]
+    one = sum(C.module_fb(1e10, 512, "backbone", sh, sh.layers, 1, cl))
+    f, b = C.module_fb(1e10, 512, "backbone", sh, sh.layers, 2, cl)
+    assert f + b == pytest.approx(one / 0.8 / own)
+    # one stage, one microbatch, the pair's 2 x 0.75 cores: the schedule gives back the measured time
+    chain = Chain(np.array([[f]]), np.array([[b]]), [], np.array([[1.5]]), np.array([[1.5]]))
+    assert shared_1f1b([chain], 2.0, 1.2)[0] == pytest.approx(one / 0.8)
+
+
 def test_tp_ranks_waiting_at_collectives_leave_their_cores_to_others():
     """A TP rank that waits at a collective uses no core (the profile's "busy" share): on shared
     cores every TP layout then runs faster than if its ranks were busy throughout; with a core per

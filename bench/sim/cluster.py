@@ -167,6 +167,16 @@ class Cluster:
         over = (float(self.host.get("processes", 1)) - self.shared_cores) / self.shared_cores
         return min(1.0, max(0.0, over)) * float(self.handoff[kind]["stall_s"])
 
+    def measured_tp_contention(self, module: str, tp: int) -> float:
+        """The co-run slowdown a measured TP speedup already holds: the profile's `tp` ranks ran at
+        once, each busy its measured share of the time (schedule.contention of tp x busy). The
+        shared-core schedule charges every busy process's contention itself, so the module's TP
+        time is priced without it (costs.module_fb); 1 on devices of their own."""
+        if not self.shared_cores or tp not in self.tp_speedup.get(module, {}):
+            return 1.0
+        busy = tp * float(self.tp_busy.get(module, {}).get(tp, 1.0))
+        return contention(busy, self.shared_cores, self.corun_slowdown, self.oversubscribed_slowdown)
+
     def with_efficiency(self, efficiency: dict, source: str) -> "Cluster":
         """A copy whose per-module efficiency comes from a profile (e.g. measured on one GPU)."""
         return replace(self, efficiency={**self.efficiency, **efficiency}, efficiency_source=source)

@@ -230,10 +230,12 @@ def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: i
               recompute: bool = False, calls=None, cp: int = 1, cp_comm: str | None = "a2a"):
     """(forward, backward) seconds of a module's `flops` over `tokens` (the whole replica's) on
     TP x CP ranks: compute, TP collectives over each rank's tokens / cp, CP communication. Where
-    the cluster measured this module's TP speedup (a CPU profile), the TP-1 time / that speedup."""
+    the cluster measured this module's TP speedup (a CPU profile), the TP-1 time / that speedup,
+    less the co-run slowdown of the group's own ranks it held (Cluster.measured_tp_contention)."""
     speedup = cluster.tp_speedup.get(module, {}).get(tp) if cp == 1 else None
     if speedup:
         cf, cb = compute_fb(flops, module, 1, cluster, recompute, calls, shape=shape, tokens=tokens)
+        speedup = speedup * cluster.measured_tp_contention(module, tp)
         return cf / speedup, cb / speedup
     cf, cb = compute_fb(flops, module, tp, cluster, recompute, calls, shape=shape, tokens=tokens, cp=cp)
     pad = head_padding(shape, tp)        # zero heads an image module runs where TP does not divide its own
