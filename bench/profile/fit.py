@@ -125,7 +125,7 @@ def anchored_fit(calls, flops, y, own, peak: float) -> tuple[float, float]:
         # FLOPs explain almost nothing (tiny layers): no rate, or an implausible one; keep the peak
         # as rate and give the rest to the per-call overhead
         b = min(1.0 / peak, T / F)
-    return (T - b * F) / C, b
+    return max(0.0, (T - b * F) / C), b     # max: rounding leaves -1e-18 where b = T / F
 
 
 def _own_max(mem, own) -> int:
