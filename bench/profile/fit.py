@@ -77,6 +77,8 @@ def module_summary(rec, layers, peak, mbs: int | None = None) -> dict:
     own = live & (samples == mbs) if mbs is not None else live
     tot_t, tot_f = float((fwd + bwd)[own].sum()), float(flops[own].sum())
     achieved = tot_f / tot_t if tot_t > 0 else 0.0
+    # one call per image-resolution group; the backbone is one call per microbatch, so only
+    # microbatches of different sizes separate its two terms
     y, x_calls, x_flops = (fwd + bwd)[live], calls[live], flops[live]
     a, b = anchored_fit(x_calls, x_flops, y, own[live] if own.any() else np.ones(len(y), bool), peak)
     pred = a * x_calls + b * x_flops

@@ -3,8 +3,9 @@
 TP 2: each module's forward + backward at TP 2 in two gloo processes, against the same
 microbatches at TP 1 in a third process, in alternating passes. On a CPU a TP-2 module is far
 from twice as fast: its collectives go through gloo, its non-GEMM work (norms, residuals,
-dropout) is replicated on both ranks, and the two ranks wait for each other at every collective. Measured on the 2-core machine this project
-runs on (small-enc-heavy): the encoder ran *slower* at TP 2 than at TP 1. So the simulator's
+dropout) is replicated on both ranks, and the two ranks wait for each other at every
+collective. Measured on the 2-core machine this project runs on (small-enc-heavy): the
+encoder ran *slower* at TP 2 than at TP 1. So the simulator's
 measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 seconds per module,
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
 
