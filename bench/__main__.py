@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                             "job through submitit (settings: the file's [slurm] table, --slurm-* flags)")
     sweep.add_argument("--max-runs", type=int, default=None, metavar="N",
                        help="launch at most N runs not yet recorded, then stop (rerun to resume with the rest)")
+    sweep.add_argument("--workload", default=None, metavar="NAME",
+                       help="only the file's measured runs of this workload, and no [[simulate]] entries "
+                            "(run_all.sh profiles each workload right before, amid and after its own runs)")
     _add_slurm_flags(sweep)
     _add_common(sweep)
     for name, module in _extra_commands():
@@ -103,7 +106,8 @@ def _dispatch(args) -> int:
     if args.command == "sweep":
         from bench.run.sweep import run_sweep
         return run_sweep(args.file, results, args.wandb_mode, dry_run=args.dry_run, launcher=args.launcher,
-                         slurm_flags={k: getattr(args, f"slurm_{k}") for k in SLURM_FLAGS}, max_runs=args.max_runs)
+                         slurm_flags={k: getattr(args, f"slurm_{k}") for k in SLURM_FLAGS}, max_runs=args.max_runs,
+                         workload=args.workload)
     return args.handler(args, results)
 
 

@@ -146,3 +146,21 @@ def test_drift_script_runs_and_writes_its_repeats(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in out.read_text().splitlines() if line]
     assert rows and "repeats of the fixed work" in proc.stdout
+
+
+def test_sweep_workload_filter_keeps_only_that_workloads_runs(tmp_path, capsys):
+    """run_all.sh profiles each workload around its own runs: `bench sweep --workload W`."""
+    from bench.run.sweep import run_sweep
+    path, results = tmp_path / "s.toml", tmp_path / "r.jsonl"
+    path.write_text('[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 1\nrepeat = 2\n'
+                    '[[run]]\nsystem = "megatron"\nworkload = "small"\nnproc = 2\n')
+    assert run_sweep(path, results, dry_run=True, workload="small") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "(dry run)" in line]
+    assert lines == ["[sweep] 1/1 megatron tp1-pp1-dp2 repeat 1/1 (dry run)"]
+    assert run_sweep(path, results, dry_run=True, workload="tiny") == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if "tp1-pp1-dp1" in line]) == 2
+    assert run_sweep(path, results, dry_run=True, workload="mllm-72b") == 0   # a workload without runs
+    assert "has no runs of workload 'mllm-72b'" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--workload 'smal' is not a workload"):
+        run_sweep(path, results, dry_run=True, workload="smal")
+    assert not results.exists()

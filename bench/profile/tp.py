@@ -98,6 +98,10 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
                 run_pass(built, mb, timer, rec)
             passes.append({n: {"wall": sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]), "cpu": sum(rec[n]["cpu"])}
                            for n in MODULES})
+        # Leave together: the TP-1 process, done after the last round's TP-1 pass, exited during the
+        # pair's last pass (interpreter teardown on a core they needed), and that round's ratio read
+        # low in all ten module rows of five profiles on 4 Dec (encoder 0.49-0.56, the others 0.61-0.97).
+        _barrier(store, TP + 1, "done")
         Path(f"{out_file}.{rank}").write_text(json.dumps(passes))
     finally:
         teardown()
@@ -187,6 +191,7 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
                 run_pass(built, mb, timer, rec)
             times[phase].append(time.perf_counter() - started)
             cpu[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
+        _barrier(store, total, "done")            # no copy exits while another still times a pass
         Path(f"{out_file}.{rank}").write_text(json.dumps({**times, "cpu": cpu}))
     finally:
         teardown()

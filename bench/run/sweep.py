@@ -41,6 +41,7 @@ from bench import records
 from bench.run import runner
 from bench.config import resolve
 from systems.base import ConfigError
+from workloads.presets import PRESETS
 
 
 def expand(entry: dict) -> list[dict]:
@@ -135,9 +136,11 @@ LAUNCHERS = ("local", "slurm")
 
 
 def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run: bool = False,
-              launcher: str = "local", slurm_flags: dict | None = None, max_runs: int | None = None) -> int:
+              launcher: str = "local", slurm_flags: dict | None = None, max_runs: int | None = None,
+              workload: str | None = None) -> int:
     """Simulations first, then the measured runs in interleaved order; dry_run: print the order only;
-    max_runs: stop after launching that many (a rerun resumes with the rest).
+    max_runs: stop after launching that many (a rerun resumes with the rest); workload: only the
+    measured runs of that workload, no simulations (run_all.sh profiles each workload around them).
     launcher "slurm": each run not yet recorded becomes a SLURM job (bench.run.slurm), its settings
     from the file's [slurm] table and `slurm_flags` (the --slurm-* flags given)."""
     if launcher not in LAUNCHERS:
@@ -147,6 +150,8 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
         raise ConfigError(f"--slurm-{given[0].replace('_', '-')} is for --launcher slurm")
     if max_runs is not None and (max_runs < 1 or launcher != "local"):
         raise ConfigError(f"--max-runs {max_runs}: give a positive count, with the local launcher")
+    if workload is not None and workload not in PRESETS:
+        raise ConfigError(f"--workload {workload!r} is not a workload; choose one of {sorted(PRESETS)}")
     try:
         spec = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -156,11 +161,16 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
         from bench.run import slurm
         cluster = slurm.settings(spec.get("slurm", {}), slurm_flags)
         slurm.check_ready(cluster, submitting=not dry_run)
-    if "simulate" in spec and not dry_run:
+    if "simulate" in spec and not dry_run and workload is None:
         run_simulations(spec["simulate"], results)
         if "run" not in spec:
             return 0
     planned = load_sweep(path)
+    if workload is not None:
+        planned = [p for p in planned if p[0].workload == workload]
+        if not planned:
+            print(f"[sweep] {path} has no runs of workload {workload!r}", flush=True)
+            return 0
     done: dict[str, int] = {}                  # configuration (with its tags) -> ok records
     for file in results.parent.glob("*.jsonl"):
         for r in records.read_records(file):
