@@ -8,44 +8,37 @@ cd "$(dirname "$0")"
 scripts/setup_env.sh
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 py=.venv/bin/python
-workloads="small small-enc-heavy small-gen-heavy tiny"
 # The profile first: plan=auto and the simulator's CPU model read it.
-for workload in $workloads; do
+for workload in small small-enc-heavy small-gen-heavy tiny; do
     [ -f "results/profiles/cpu-$workload.json" ] || $py -m bench profile --workload "$workload"
 done
 # A failed run does not stop the job: validation and the report still run, then the sweep's
 # status (non-zero when any run failed) is the job's.
 # The machine's speed drifts (10-40% between profiles an hour apart, one stretch slowing data
-# loading 2.8x), so the sweep runs in $chunks parts with a short refresh of each workload's
-# profile between them (bench profile --refresh: the modules alone and side by side, data,
-# optimizer; ~1.5 min), a full profile again after the sweep, and validation simulates each run
-# with all of them and takes the median: the profiles sample the machine's states over the
-# sweep as its interleaved repeats do. (Three full profiles, before / halfway / after, read 6.6%
-# mean |error| on 4 Dec; profiling each workload right around its own runs, 10.4%: its repeats
-# and profiles then fall in one 4-26 minute stretch.)
+# loading 2.8x), so each workload is profiled before, halfway through and after the sweep, and
+# validation simulates each run with all three and takes the median: one profile caught in a
+# slow stretch is outvoted. (Profiling each workload right around its own runs instead, with
+# `bench sweep --workload W`, was tried on 4 Dec: mean |error| 10.4% against 6.6%, every
+# workload's errors of one sign. A workload's runs then fall in a 4-26 minute stretch, so its
+# repeats and its profiles average over fewer of the machine's states, not more.)
 sweep="${1:-bench/sweeps/default.toml}"
 pending=$($py -m bench sweep "$sweep" --dry-run | grep -c ' (dry run)$' || true)
-chunks=5
-profile_dirs=(--profiles results/profiles)
-for part in $(seq 1 $((chunks - 1))); do
-    if [ "$pending" -gt 0 ]; then      # this part of the runs (the next call resumes after them)
-        $py -m bench sweep "$sweep" --max-runs $(( (pending + chunks - 1) / chunks )) || { [ $? -ne 130 ] || exit 130; }
-    fi
-    for workload in $workloads; do
-        out="results/profiles/refresh-$part/cpu-$workload.json"
-        [ -f "$out" ] || $py -m bench profile --workload "$workload" --refresh "results/profiles/cpu-$workload.json" \
-            --min-seconds 10 --out "$out"
-    done
-    profile_dirs+=(--profiles "results/profiles/refresh-$part")
-done
 status=0
+if [ "$pending" -gt 1 ]; then      # the first half (the second call resumes; its status counts)
+    $py -m bench sweep "$sweep" --max-runs $(( (pending + 1) / 2 )) || { [ $? -ne 130 ] || exit 130; }
+fi
+for workload in small small-enc-heavy small-gen-heavy tiny; do
+    out="results/profiles/mid-sweep/cpu-$workload.json"
+    [ -f "$out" ] || $py -m bench profile --workload "$workload" --out "$out"
+done
 $py -m bench sweep "$sweep" || status=$?
 [ $status -ne 130 ] || exit 130       # Ctrl-C: the sweep recorded it and stopped; so does the job
-for workload in $workloads; do
+for workload in small small-enc-heavy small-gen-heavy tiny; do
     out="results/profiles/after-sweep/cpu-$workload.json"
     [ -f "$out" ] || $py -m bench profile --workload "$workload" --out "$out"
 done
-$py -m bench validate "${profile_dirs[@]}" --profiles results/profiles/after-sweep
+$py -m bench validate --profiles results/profiles --profiles results/profiles/mid-sweep \
+    --profiles results/profiles/after-sweep
 $py -m analysis report
 echo "report: results/report/report.md"
 exit $status

@@ -79,42 +79,6 @@ def test_derived_profile_says_derived(tiny_profile):
     assert cl.gpu == "H100-SXM" and "derived=True" in cl.efficiency_source
 
 
-@pytest.mark.multiprocess
-def test_refresh_measures_the_modules_again_and_keeps_the_bases_comm_gemm_and_tp(tiny_profile, tmp_path):
-    out = tmp_path / "refresh" / "cpu-tiny.json"
-    proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--refresh",
-                           str(tiny_profile), "--out", str(out), "--microbatches", "3", "--repeats", "1",
-                           "--min-seconds", "0.5"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    base, fresh = load_profile(tiny_profile), load_profile(out)
-    assert fresh["refreshed"] == {"from": str(tiny_profile), "from_date": base["date"],
-                                  "kept": ["comm", "systems", "gemm", "tp"]}
-    assert fresh["gemm"] == base["gemm"] and fresh["tp"] == base["tp"] and fresh["comm"] == base["comm"]
-    # measured again: the modules (their own passes: timings differ from the base's to the last digit)
-    assert fresh["modules"]["backbone"]["forward_s_per_layer"] != base["modules"]["backbone"]["forward_s_per_layer"]
-    corun = fresh["corun"]
-    assert corun["seconds"] > 0 and corun["slowdown"] >= 1.0 and corun != base["corun"]
-    assert corun["method"].count("3 rounds") == 1                    # REFRESH_CORUN_ROUNDS
-    for args in (["--refresh", str(tiny_profile)],                    # no --out
-                 ["--refresh", str(tiny_profile), "--out", str(tiny_profile)]):
-        bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", *args], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--refresh" in bad.stderr
-
-
-def test_a_refresh_needs_a_measured_base_of_its_workload():
-    from bench.profile.files import refreshed
-    fresh = {"workload": "tiny", "hardware": {"key": "cpu"}, "modules": {}, "corun": {"slowdown": 1.1}}
-    base = {"workload": "small", "hardware": {"key": "cpu"}, "derived": False, "date": "d", "gemm": {"rows": []}}
-    with pytest.raises(ValueError, match="not a measured cpu profile of tiny"):
-        refreshed(base, "b.json", fresh)
-    with pytest.raises(ValueError, match="not a measured"):
-        refreshed({**base, "workload": "tiny", "derived": True}, "b.json", fresh)
-    out = refreshed({**base, "workload": "tiny", "corun": {"slowdown": 9.0}}, "b.json", fresh)
-    assert out["gemm"] == {"rows": []} and out["corun"] == {"slowdown": 1.1} and out["tp"] is None
-
-
 def test_derived_profile_without_measurement_uses_documented_defaults():
     from bench.sim.cluster import DEFAULT_EFFICIENCY
     d = derive_profile("mllm-9b", "H200")

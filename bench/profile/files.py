@@ -57,20 +57,3 @@ def write_profile(profile: dict, out: Path | str | None = None) -> Path:
     os.replace(tmp, path)
     return path
 
-
-
-# What a refreshed profile keeps from its base: measurements of the communication, the GEMM shapes and
-# the TP-2 speedup (relative costs, several minutes of processes to measure); everything else (the
-# modules' fit, their co-run slowdown, data, optimizer, peak) is measured again.
-KEPT_ON_REFRESH = ("comm", "systems", "gemm", "tp")
-
-
-def refreshed(base: dict, base_path: Path | str, fresh: dict) -> dict:
-    """`fresh` (a profile measured without communication, GEMM table or TP) completed with `base`'s
-    KEPT_ON_REFRESH parts, marked "refreshed" with where they came from."""
-    if base.get("derived") or base.get("workload") != fresh["workload"] \
-            or base["hardware"]["key"] != fresh["hardware"]["key"]:
-        raise ValueError(f"{base_path} is not a measured {fresh['hardware']['key']} profile of {fresh['workload']}; "
-                         f"refresh from one (python -m bench profile --workload {fresh['workload']})")
-    return {**fresh, **{k: base.get(k) for k in KEPT_ON_REFRESH},
-            "refreshed": {"from": str(base_path), "from_date": base.get("date"), "kept": list(KEPT_ON_REFRESH)}}

@@ -56,12 +56,12 @@ from bench.profile.comm import COMM_SIZES, measure_comm, run_processes
 from bench.profile.dp_groups import measure_dp_groups
 from bench.profile.derive import derive_profile
 from bench.profile.files import (PROFILE_DIR, SCHEMA, default_path, find_profile, hardware_key,
-                                 KEPT_ON_REFRESH, load_profile, refreshed, versions, write_profile)
+                                 load_profile, versions, write_profile)
 from bench.profile.fit import data_costs, fit_affine, fit_linear_nonneg, module_summary
 from bench.profile.gemm import gemm_table
 from bench.profile.handoff import measure_handoff
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
-from bench.profile.tp import CORUN_ROUNDS, TP, measure_corun, measure_tp
+from bench.profile.tp import TP, measure_corun, measure_tp
 from workloads.presets import MODULES
 
 __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "add_parser", "default_path",
@@ -78,10 +78,6 @@ DEFAULT_MIN_SECONDS = 30.0
 # it (tiny's backbone: 13.4 ms at 2 samples, 37.1 ms at 8 on 4 Dec, 4x the FLOPs in 2.8x the time).
 SIZE_FACTOR = 4
 
-# A refresh (--refresh) times the modules side by side in fewer rounds than a full profile: it is
-# taken many times over a sweep, and the simulator uses the median over all of them.
-REFRESH_CORUN_ROUNDS = 3
-
 # On CPU only CPU-sized workloads: a paper-scale backbone does not fit in this machine's memory.
 CPU_MAX_PARAMS = 500e6
 
@@ -92,11 +88,9 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
                      comm: bool = True, gemm_grid=(), tp: bool = True, min_seconds: float = DEFAULT_MIN_SECONDS,
-                     dp_processes: int = 4, corun: bool | None = None, corun_rounds: int = CORUN_ROUNDS,
-                     log=print) -> dict:
+                     dp_processes: int = 4, log=print) -> dict:
     """Measure one workload on the hardware present; returns the profile dict (see module doc).
-    gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none;
-    corun: time the modules side by side on every core (default: with the TP measurement)."""
+    gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none."""
     import torch
     from bench.metrics import PEAK_FLOPS, accelerator_key, measure_cpu_matmul_flops
     from workloads.flops import parameter_counts
@@ -184,12 +178,11 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
             if comm_result and "reduce_scatter" in comm_result:     # the simulator extends the 2-process fit
                 comm_result = _measure_dp_groups(dp_processes, comm_result, log=log)
             systems = _measure_systems(w, dp_processes, log=log)
-    tp_result = corun_result = None
-    kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
+    tp_result = corun = None
     if tp and device == "cpu":
+        kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
         tp_result = _measure_tp(w, log=log, **kw)
-    if (tp if corun is None else corun) and device == "cpu":
-        corun_result = _measure_corun(w, log=log, rounds=corun_rounds, **kw)
+        corun = _measure_corun(w, log=log, **kw)
     elapsed = time.perf_counter() - started
     return {
         "schema": SCHEMA, "derived": False, "workload": w.name, "data_profile": w.data_profile.name,
@@ -212,7 +205,7 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                                                    if device == "cpu" else "torch.cuda.max_memory_allocated")),
         "peak_memory_bytes": int(peak_mem),
         "modules": modules, "optimizer": optim, "data": data_costs(w, metas, load_t, coll_t),
-        "comm": comm_result, "systems": systems, "gemm": gemm, "tp": tp_result, "corun": corun_result,
+        "comm": comm_result, "systems": systems, "gemm": gemm, "tp": tp_result, "corun": corun,
         "elapsed_s": elapsed,
     }
 
@@ -339,10 +332,6 @@ def add_parser(sub) -> None:
     p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
     p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "
                    "(default: bench.profile.gemm.CPU_GRID or CUDA_GRID)")
-    p.add_argument("--refresh", type=Path, default=None, metavar="BASE",
-                   help="measure again only what drifts with the machine's state (the modules, side by side in "
-                        f"{REFRESH_CORUN_ROUNDS} rounds, data, optimizer, peak) and keep BASE's communication, GEMM "
-                        "table and TP speedup: a short profile to take many times (needs --out)")
     p.add_argument("--spec", default=None, help="derive a profile for this PEAK_FLOPS key instead of measuring")
     p.add_argument("--efficiency-from", type=Path, default=None, help="a measured profile whose per-module "
                    "efficiency the derived one uses (default: the simulator's documented defaults)")
@@ -367,11 +356,7 @@ def handle(args, results_path) -> int:
         print(f"error: --gemm-grid wants 2 or more distinct positive integers, got {args.gemm_grid!r}",
               file=sys.stderr)
         return 2
-    if args.refresh and (args.spec or not args.out or args.out.resolve() == args.refresh.resolve()):
-        print("error: --refresh BASE needs --out (another file) and no --spec", file=sys.stderr)
-        return 2
     try:
-        base = load_profile(args.refresh) if args.refresh else None
         if args.spec:
             prof = derive_profile(args.workload, args.spec, args.efficiency_from, args.dtype or "bf16",
                                   args.data_profile)
@@ -381,19 +366,14 @@ def handle(args, results_path) -> int:
                 return 2
             prof = profile_workload(args.workload, data_profile=args.data_profile, device=args.device,
                                     dtype=args.dtype, threads=args.threads, microbatches=args.microbatches,
-                                    repeats=args.repeats, comm=not (args.no_comm or base),
-                                    gemm_grid=None if args.no_gemm or base else grid, tp=not (args.no_tp or base),
-                                    min_seconds=args.min_seconds, dp_processes=args.dp_processes,
-                                    corun=True if base else None,
-                                    corun_rounds=REFRESH_CORUN_ROUNDS if base else CORUN_ROUNDS)
-            if base:
-                prof = refreshed(base, args.refresh, prof)
+                                    repeats=args.repeats, comm=not args.no_comm,
+                                    gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp,
+                                    min_seconds=args.min_seconds, dp_processes=args.dp_processes)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     path = write_profile(prof, args.out)
     kind = f"derived from {prof['derived_from']}" if prof["derived"] else f"measured in {prof['elapsed_s']:.1f} s"
-    kind += f"; {', '.join(KEPT_ON_REFRESH)} from {args.refresh}" if args.refresh else ""
     eff = ", ".join(f"{n} {prof['modules'][n]['efficiency']:.2f}" for n in MODULES)
     print(f"[profile] wrote {path} ({kind}); efficiency {eff}")
     return 0

@@ -155,10 +155,10 @@ class _ThreadTimer(Timer):
 
 
 def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile: str | None, seed: int,
-                  microbatches: int, data_root: str, num_samples: int, rounds: int, out_file: str) -> None:
+                  microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
     """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then
-    `procs` copies at once (one per core), then all 2 x procs (two per core), `rounds` times over.
-    Each process builds its modules once and every phase is one pass, so a round's three
+    `procs` copies at once (one per core), then all 2 x procs (two per core), CORUN_ROUNDS times
+    over. Each process builds its modules once and every phase is one pass, so a round's three
     phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
     out of the round's ratios. Each pass records its wall seconds and the CPU seconds of its
     thread (corun_slowdowns). Each process is its own world of 1; the store only orders the phases."""
@@ -181,7 +181,7 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
         built, timer = build_modules(w, dev, torch.float32, seed), _ThreadTimer(dev)
         for mb in batches:                       # warm-up (allocator, lazy inits), every process at once
             run_pass(built, mb, timer)
-        for i, phase in enumerate(list(runs) * rounds):
+        for i, phase in enumerate(list(runs) * CORUN_ROUNDS):
             _barrier(store, total, f"phase{i}")
             if rank >= runs[phase]:
                 continue
@@ -223,24 +223,23 @@ def corun_slowdowns(raw: list[dict], procs: int) -> dict:
 
 
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
-                  data_root: Path, num_samples: int, timeout: float = 600.0, rounds: int = CORUN_ROUNDS,
-                  **_) -> dict:
+                  data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "cpu_slowdown", "oversubscribed":
     {"processes", "seconds", "slowdown", "cpu_slowdown"}, "method"}: wall seconds of one pass of the
     TP-1 modules with `processes` (= the cores, at most MAX_CORUN) copies at once, and with twice
-    as many, against one copy alone, in `rounds` rounds (_corun_worker); slowdowns:
+    as many, against one copy alone, in CORUN_ROUNDS rounds (_corun_worker); slowdowns:
     corun_slowdowns."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "corun.json"
-        args = (procs, workload, data_profile, seed, min(microbatches, CORUN_MICROBATCHES), str(data_root),
-                num_samples, rounds)
-        run_processes(_corun_worker, args, out, "side-by-side module timing", nprocs=2 * procs, timeout=timeout)
+        run_processes(_corun_worker, (procs, workload, data_profile, seed, min(microbatches, CORUN_MICROBATCHES),
+                                      str(data_root), num_samples), out, "side-by-side module timing", nprocs=2 * procs,
+                     timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
     return {**corun_slowdowns(raw, procs),
             "method": (f"wall seconds of one pass over {min(microbatches, CORUN_MICROBATCHES)} microbatches of the "
                        f"TP-1 modules' forwards and backwards, built once per process, alone (process 0), as {procs} "
                        f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
-                       f"of a core), one thread each, {rounds} rounds of adjacent phases; the median over the "
+                       f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
                        f"rounds of each round's slowest copy / alone; below 1 (noise) counts as 1; cpu_slowdown: the same "
                        f"in CPU seconds (thread time), undivided")}
