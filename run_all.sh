@@ -20,7 +20,10 @@ done
 # slow stretch is outvoted. (Profiling each workload right around its own runs instead, with
 # `bench sweep --workload W`, was tried on 4 Dec: mean |error| 10.4% against 6.6%, every
 # workload's errors of one sign. A workload's runs then fall in a 4-26 minute stretch, so its
-# repeats and its profiles average over fewer of the machine's states, not more.)
+# repeats and its profiles average over fewer of the machine's states, not more. Short refreshes
+# of each workload's profile between five parts of the sweep, beside full ones before and after,
+# were tried the same night: on the same runs, the two full profiles alone read 8.8%, the four
+# refreshes 12.2%: their shorter, three-round co-run measurement was noisier, not closer.)
 sweep="${1:-bench/sweeps/default.toml}"
 pending=$($py -m bench sweep "$sweep" --dry-run | grep -c ' (dry run)$' || true)
 status=0
