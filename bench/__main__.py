@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="launch at most N runs not yet recorded, then stop (rerun to resume with the rest)")
     sweep.add_argument("--workload", default=None, metavar="NAME",
                        help="only the file's measured runs of this workload, and no [[simulate]] entries "
-                            "(to profile a workload right before and after its own runs)")
+                            "(a targeted check of one workload)")
     _add_slurm_flags(sweep)
     _add_common(sweep)
     for name, module in _extra_commands():

@@ -149,7 +149,7 @@ def test_drift_script_runs_and_writes_its_repeats(tmp_path):
 
 
 def test_sweep_workload_filter_keeps_only_that_workloads_runs(tmp_path, capsys):
-    """`bench sweep --workload W`: only W's runs (to profile a workload around them)."""
+    """`bench sweep --workload W`: only W's runs (a targeted check of one workload)."""
     from bench.run.sweep import run_sweep
     path, results = tmp_path / "s.toml", tmp_path / "r.jsonl"
     path.write_text('[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 1\nrepeat = 2\n'

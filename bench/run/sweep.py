@@ -140,7 +140,7 @@ def run_sweep(path: Path, results: Path, wandb_mode: str | None = None, dry_run:
               workload: str | None = None) -> int:
     """Simulations first, then the measured runs in interleaved order; dry_run: print the order only;
     max_runs: stop after launching that many (a rerun resumes with the rest); workload: only the
-    measured runs of that workload, no simulations (to profile a workload right around its runs).
+    measured runs of that workload, no simulations (a targeted check of one workload).
     launcher "slurm": each run not yet recorded becomes a SLURM job (bench.run.slurm), its settings
     from the file's [slurm] table and `slurm_flags` (the --slurm-* flags given)."""
     if launcher not in LAUNCHERS:
