@@ -380,21 +380,39 @@ def test_bridge_transfers_are_work_on_both_sides_of_each_module_boundary():
 
 
 def test_a_stall_is_a_wait_that_leaves_the_core_to_others():
-    """Chain.stall: before each of its operations a stage sleeps, using no core. One core, chain A
-    (forward 1 s, backward 1 s, stall 1 s) beside chain B (the same, no stall): B's forward runs
-    alone while A sleeps (t 0-1), A's forward and B's backward share the core (t 1-3), A sleeps
-    again (t 3-4), A's backward runs alone (t 4-5)."""
+    """Chain.stall: between two of its operations a stage sleeps, using no core. One core, chain A
+    (forward 1 s, backward 1 s, stall 1 s) beside chain B (the same, no stall): both forwards
+    share the core (t 0-2), A sleeps while B's backward runs alone (t 2-3), then A's backward
+    runs alone (t 3-4). One core holds A's pair of ranks at two per core, so all of the stall."""
     from bench.sim.schedule import Chain, shared_1f1b
     one = np.ones((1, 1))
     end, ends, _ = shared_1f1b([Chain(one, one, stall=np.array([1.0])), Chain(one, one)], cores=1)
-    assert ends == pytest.approx([5.0, 3.0]) and end == pytest.approx(5.0)
-    assert shared_1f1b([Chain(one, one, stall=np.array([1.0]))], cores=1)[0] == pytest.approx(4.0)   # alone
+    assert ends == pytest.approx([4.0, 3.0]) and end == pytest.approx(4.0)
+    assert shared_1f1b([Chain(one, one, stall=np.array([1.0]))], cores=1)[0] == pytest.approx(3.0)   # alone
+
+
+def test_a_stall_follows_the_processes_busy_at_that_moment():
+    """bench.sim.schedule.stall_share: the measured stall (two busy processes per core) is charged
+    in the share of the processes busy beside the stage when its operation ends: none with the
+    cores free for its pair, all of it with two more busy processes on two cores, half with one."""
+    from bench.sim.schedule import Chain, shared_1f1b, stall_share
+    assert [stall_share(n, 2) for n in (0, 1, 2, 3)] == pytest.approx([0.0, 0.5, 1.0, 1.0])
+    one = np.ones((1, 1))
+    alone = Chain(one, one, stall=np.array([1.0]))
+    assert shared_1f1b([alone], cores=2)[0] == pytest.approx(2.0)            # its pair fits: no stall
+    # beside it a 10 s operation keeping two processes busy (three share two cores): A's forward
+    # ends at t 1.5 with those two busy, so A sleeps 1 s, then its backward takes 1.5 s
+    long = Chain(np.full((1, 1), 10.0), np.full((1, 1), 10.0), wf=np.full((1, 1), 2.0), wb=np.full((1, 1), 2.0))
+    assert shared_1f1b([alone, long], cores=2)[1][0] == pytest.approx(4.0)
+    assert shared_1f1b([Chain(one, one), long], cores=2)[1][0] == pytest.approx(3.0)
 
 
 def test_transfers_stall_only_on_processes_that_outnumber_the_cores():
-    """Cluster.handoff_stall: the measured stall (bench.profile.handoff) at two busy processes per
-    core, none at one per core, linear in between; DistTrain charges it per bridge transfer on
-    both sides (fan-in enc:1x2 -> llm:1x1x1 -> gen:1x1: 3 on the backbone's ops, 1 elsewhere)."""
+    """Cluster.handoff_stall: the measured stall (bench.profile.handoff, at two busy processes per
+    core) where the processes outnumber the cores, none where they fit (the shared-core schedule
+    charges the share of it the processes busy at that moment cause); DistTrain charges it per
+    bridge transfer on both sides (fan-in enc:1x2 -> llm:1x1x1 -> gen:1x1: 3 on the backbone's
+    ops, 1 elsewhere)."""
     from bench.sim.cluster import cluster_from_profile
     from systems.disttrain.sim import _stalls
     from tests.test_validate import synthetic_profile
@@ -402,7 +420,7 @@ def test_transfers_stall_only_on_processes_that_outnumber_the_cores():
     prof["comm"] = {**prof["comm"], "handoff": {"bridge": {"idle_s": 0.001, "loaded_s": 0.003, "stall_s": 0.002},
                                                 "p2p": {"idle_s": 1e-4, "loaded_s": 6e-4, "stall_s": 5e-4}}}
     at = {n: cluster_from_profile(prof, processes=n, cores=2) for n in (2, 3, 4, 6)}
-    assert [at[n].handoff_stall("bridge") for n in (2, 3, 4, 6)] == pytest.approx([0.0, 0.001, 0.002, 0.002])
+    assert [at[n].handoff_stall("bridge") for n in (2, 3, 4, 6)] == pytest.approx([0.0, 0.002, 0.002, 0.002])
     assert cluster_from_profile(synthetic_profile(), processes=4, cores=2).handoff_stall("bridge") == 0.0
     assert list(_stalls(at[4], {"dp": 2}, {"dp": 1}, 1, 1, 3)) == pytest.approx([0.002, 0.006, 0.002])
     # a 2-stage backbone adds one send/recv to each of its stages' operations

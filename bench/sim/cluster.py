@@ -158,14 +158,16 @@ class Cluster:
 
     def handoff_stall(self, kind: str) -> float:
         """Seconds one blocking transfer of `kind` ("bridge": megatron-core's bridge communicator,
-        "p2p": a gloo send/recv) keeps each of its two ranks asleep beyond its idle cost, on this
-        cluster's shared cores: the measured stall (bench.profile.handoff) with two busy processes
-        per core or more, none with one per core or fewer, linear in between (an interpolation of
-        ours, as in schedule.contention); 0 on devices of their own or without the measurement."""
+        "p2p": a gloo send/recv) keeps each of its two ranks asleep beyond its idle cost, with two
+        busy processes per core: the measured stall (bench.profile.handoff) where the processes
+        outnumber the shared cores, which the shared-core schedule charges in the share the
+        processes busy at that moment cause (bench.sim.schedule.stall_share); 0 on devices of their
+        own, on enough cores or without the measurement."""
         if not self.shared_cores or not self.handoff or kind not in self.handoff:
             return 0.0
-        over = (float(self.host.get("processes", 1)) - self.shared_cores) / self.shared_cores
-        return min(1.0, max(0.0, over)) * float(self.handoff[kind]["stall_s"])
+        if float(self.host.get("processes", 1)) <= self.shared_cores:
+            return 0.0
+        return float(self.handoff[kind]["stall_s"])
 
     def measured_tp_contention(self, module: str, tp: int) -> float:
         """The co-run slowdown a measured TP speedup already holds: the profile's `tp` ranks ran at

@@ -126,8 +126,9 @@ class Chain:
     together, once all of them are done (a module's pipeline stages meet at its optimizer's
     gradient-norm all-reduce). `stall` ([S] seconds, or None): how long each stage sleeps between
     two of its own operations, on the blocking transfers around them, beyond what `links` and the
-    operations hold (on an oversubscribed CPU, its and its peers' threads waiting for a core:
-    bench.sim.cluster.Cluster.handoff_stall); it uses no core. `head` ([S] seconds, processes
+    operations hold, with two busy processes per core (its and its peers' threads waiting for a
+    core: bench.sim.cluster.Cluster.handoff_stall); it uses no core, and shared_1f1b charges the
+    `stall_share` of it that the processes busy at that moment cause. `head` ([S] seconds, processes
     `wh`): work each stage does before its first operation (its ranks loading the step's data
     in the trainers: a downstream stage loads while the stages before it compute)."""
     fwd: np.ndarray
@@ -169,6 +170,14 @@ def contention(busy: float, cores: float, corun: float, oversubscribed: float | 
     return at_cores + (top - at_cores) * min(1.0, (busy - cores) / cores)
 
 
+def stall_share(others: float, cores: float) -> float:
+    """The share of a measured handoff stall (bench.profile.handoff: the pair of ranks with
+    2 x cores - 2 busy processes beside them, two per core) that a transfer sleeps with `others`
+    processes busy beside its pair: none while all of them fit on the cores, all of it from two
+    busy processes per core, linear in between (an interpolation of ours, as in `contention`)."""
+    return min(1.0, max(0.0, (others + 2.0 - cores) / cores))
+
+
 def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 oversubscribed: float | None = None) -> tuple[float, list[float], list[float]]:
     """1F1B of several independent pipelines whose processes share `cores` CPU cores.
@@ -177,7 +186,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
     operation keeping w processes busy progresses, while the running operations keep D
     processes busy in all, at min(1, cores / D) / contention(D) of its full speed (processor
     sharing; a process waiting for a message uses no core). Transfers are delays that use no core, and so is
-    a stage's Chain.stall before each of its forwards and backwards. A stage's Chain.head is work
+    a stage's Chain.stall before each of its forwards and backwards after the first, in the
+    `stall_share` of the processes busy beside it when its operation before ended. A stage's Chain.head is work
     from time 0, before its first forward.
     Event-driven and exact for that fluid model. Returns (makespan, end time per chain, per chain
     the end of its last forward or backward: its pipeline flush, before any Chain.tail).
@@ -199,7 +209,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
         wh = np.ones(S) if ch.wh is None else np.asarray(ch.wh, dtype=np.float64)
         ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S, "tail": tail, "wt": wt,
                     "group": group, "stall": stall, "head": head, "wh": wh,
-                    "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0}
+                    "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0,
+                    "stall_share": np.zeros(S)}
         st.append(ch_state)
     stages = [(c, s, ([(3, 0)] if ch["head"][s] > 0 else []) + stage_ops(s, ch["S"], ch["m"])
                + ([(2, 0)] if ch["tail"][s] > 0 else []))
@@ -238,7 +249,7 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 else:
                     ready = ch["b_end"][s + 1][j] + ch["link"][s]
             prev = max(ch["f_end"][s].max(), ch["b_end"][s].max(), 0.0)    # the stage's own last op
-            ready = max(ready, prev + (ch["stall"][s] if kind < 2 else 0.0))
+            ready = max(ready, prev + (ch["stall"][s] * ch["stall_share"][s] if kind < 2 else 0.0))
             if ready <= t + eps:
                 if kind >= 2:
                     work, weight = (ch["tail"][s], ch["wt"][s]) if kind == 2 else (ch["head"][s], ch["wh"][s])
@@ -262,9 +273,13 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 r[0] -= rate * dt
             t += dt
             finished = [i for i, r in running.items() if r[0] <= eps * max(1.0, t)]
+        # processes busy beside a stage whose operation ends: they hold the cores its transfer's
+        # threads wait for, so they set how much of its Chain.stall comes before its next operation
+        others = sum(r[1] for k, r in running.items() if k not in finished)
         for i in finished:
             c, s, ops = stages[i]
             _, _, kind, j = running.pop(i)
+            st[c]["stall_share"][s] = stall_share(others, cores)
             if kind < 2:
                 (st[c]["f_end"] if kind == 0 else st[c]["b_end"])[s][j] = t
                 st[c]["flush"] = max(st[c]["flush"], t)
