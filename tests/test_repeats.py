@@ -81,6 +81,10 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
                 assert all(0 < c for c in s["rank_cpu_s"]) and all(0 <= q <= s["latency_s"] for q in s["rank_runqueue_s"])
                 assert len(s["rank_helper_runqueue_s"]) == 2
             assert 0 < m["rank_cpu_share"] and 0 <= m["rank_runqueue_share"] < 1
+        # the ranks' kernel time and page faults (bench.run.machine.kernel_time): every step allocates
+        assert all(len(s["rank_sys_s"]) == 2 and min(s["rank_sys_s"]) >= 0 for s in r["steps"])
+        assert sum(sum(s["rank_minor_faults"]) for s in r["steps"]) > 0 and m["rank_minor_faults_per_step"] > 0
+        assert 0 <= m["rank_sys_share"] < 1
         for s in r["steps"]:                # time in Python's garbage collector, per rank
             assert len(s["rank_gc_s"]) == len(s["rank_gc_full"]) == 2
             assert all(0 <= g <= s["latency_s"] for g in s["rank_gc_s"]) and all(n >= 0 for n in s["rank_gc_full"])

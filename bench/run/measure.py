@@ -72,6 +72,12 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
         # time, and the longest one rank spent in it in one step (a full collection stalls its step)
         metrics["rank_gc_share"] = sum(sum(s["rank_gc_s"]) for s in measured) / rank_time
         metrics["rank_gc_max_s"] = max(max(s["rank_gc_s"]) for s in measured)
+    if all("rank_sys_s" in s for s in measured):
+        # the ranks' kernel time (page faults above all: bench.run.machine.kernel_time), its share
+        # of their step time, and minor page faults per rank and step
+        metrics["rank_sys_share"] = sum(sum(s["rank_sys_s"]) for s in measured) / rank_time
+        metrics["rank_minor_faults_per_step"] = (sum(sum(s["rank_minor_faults"]) for s in measured)
+                                                 / sum(len(s["rank_minor_faults"]) for s in measured))
     if any(busy):
         # Idle (bubble) share of rank-time: what ranks did not spend computing.
         metrics["bubble_fraction"] = 1 - sum(busy) / rank_time

@@ -106,11 +106,13 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         wait_before = source.wait_s
         start = time.perf_counter()
         sched_before, gc_before = machine.thread_times(), (gc_clock.seconds, gc_clock.full)
+        kernel_before = machine.kernel_time()
         result = adapter.train_step(step)
         _sync(device)
         dist.barrier()
         latency = time.perf_counter() - start
         sched_after, gc_step = machine.thread_times(), (gc_clock.seconds - gc_before[0], gc_clock.full - gc_before[1])
+        kernel = [a - b for a, b in zip(machine.kernel_time(), kernel_before)]
         # -1: not reported by this kernel
         sched = ([max(0.0, a - b) for a, b in zip(sched_after, sched_before)]
                  if sched_before and sched_after else [-1.0] * 3)
@@ -124,7 +126,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             **{f"busy.{m}": result.module_busy_s.get(m, 0.0) for m in MODULES},
             "data_wait": source.wait_s - wait_before, "loss_sum": result.loss_sum, "grad_norm": grad_norm,
             "cpu": sched[0], "runqueue": sched[1], "helper_runqueue": sched[2],
-            "gc_s": gc_step[0], "gc_full": gc_step[1],
+            "gc_s": gc_step[0], "gc_full": gc_step[1], "sys": kernel[0], "faults": kernel[1],
             **{f"phase.{p}": result.phase_s.get(p, -1.0) for p in STEP_PHASES},
             "compute_cpu": result.compute_cpu_s}, world, device)
         if rank == 0:
@@ -145,6 +147,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             # seconds in Python's garbage collector and full collections (bench.run.machine.GcClock)
             entry["rank_gc_s"] = [r["gc_s"] for r in per_rank]
             entry["rank_gc_full"] = [int(r["gc_full"]) for r in per_rank]
+            # seconds in the kernel and minor page faults (bench.run.machine.kernel_time)
+            entry["rank_sys_s"] = [r["sys"] for r in per_rank]
+            entry["rank_minor_faults"] = [int(r["faults"]) for r in per_rank]
             if all(r[f"phase.{p}"] >= 0 for r in per_rank for p in STEP_PHASES):
                 # the system's own split of each rank's step (systems.base.STEP_PHASES), -1: not reported
                 entry["rank_phase_s"] = {p: [r[f"phase.{p}"] for r in per_rank] for p in STEP_PHASES}
