@@ -172,6 +172,8 @@ def test_own_step_end_is_measured_on_every_process_at_once(tmp_path):
         return run_processes(worker, args, tmp_path / "out.json", what, nprocs=2, timeout=240)
     got = get_system("deepspeed").profile_host(get_workload("tiny"), 2, spawn)
     assert got["flush_s"] > 0 and got["step_s"] > 0 and got["processes"] == 2 and got["zero_stage"] == 1
+    # the flush allocates its buckets anew: page faults, and kernel time within its wall time
+    assert got["flush_page_faults"] > 0 and 0 <= got["flush_kernel_s"] <= got["flush_s"]
     from workloads.flops import parameter_counts
     assert got["params"] == pytest.approx(parameter_counts(get_workload("tiny"))["total"], rel=0.05)   # + norms, biases
     assert "coalesce_grad_reduction" in got["method"]

@@ -11,11 +11,15 @@ for the all-reduce of the same bytes; engine.step() 0.25-0.34 s (the model: 0.30
 
 So `bench profile` times both, as the adapter runs them (coalesce_grad_reduction, then
 engine.step()), with every process reducing at once: the workload's whole model replicated on
-`processes` gloo ranks, gradients set on every parameter, medians over a few steps.
+`processes` gloo ranks, gradients set on every parameter, medians over a few steps. Beside them,
+rank 0's kernel seconds and minor page faults in the flush: the flush allocates its buckets
+anew, and in the runs the last rank to arrive paid 3-10x the kernel time for the same faults
+(README, the 5 Dec midnight sweep), which this synchronized timing does not reproduce.
 """
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -56,23 +60,28 @@ def flush_worker(rank: int, port: int, workload: str, data_profile: str | None, 
                                                optimizer=torch.optim.AdamW(model.parameters(), lr=1e-6))
         engine.set_gradient_accumulation_boundary(True)
         params = [p for p in engine.module.parameters() if p.requires_grad]
-        flush, step = [], []
+        flush, step, kernel = [], [], []
+        who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)     # this thread, where Linux has it
         for i in range(iters + 1):                        # one warm-up
             for p in params:
                 p.grad = torch.full_like(p, 1e-3)
             dist.barrier()
-            t0 = time.perf_counter()
+            u0, t0 = resource.getrusage(who), time.perf_counter()
             with engine.coalesce_grad_reduction():        # the reduction runs on leaving the block
                 pass
-            t1 = time.perf_counter()
+            t1, u1 = time.perf_counter(), resource.getrusage(who)
             engine.step()
             t2 = time.perf_counter()
             if i >= 1:
                 flush.append(t1 - t0)
                 step.append(t2 - t1)
+                kernel.append((u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt))
         if rank == 0:
             Path(out_file).write_text(json.dumps({
                 "flush_s": statistics.median(flush), "step_s": statistics.median(step),
+                # the flush's kernel seconds and minor page faults (rank 0; its buckets are allocated anew)
+                "flush_kernel_s": statistics.median(k for k, _ in kernel),
+                "flush_page_faults": statistics.median(f for _, f in kernel),
                 "params": sum(p.numel() for p in params), "processes": world, "zero_stage": ZERO_STAGE,
                 "iterations": iters}))
     finally:
