@@ -62,6 +62,7 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     over = corun["oversubscribed"]                           # and two per core
     assert over["processes"] == 2 * corun["processes"] and over["seconds"] > 0 and over["slowdown"] >= 1.0
     assert corun["cpu_slowdown"] >= 1.0 and over["cpu_slowdown"] >= 1.0
+    assert corun["pass_repeats"] > 1        # tiny's microbatches take well under CORUN_PASS_S: repeated
     assert p["min_seconds"] == 0.5 and p["repeats"] == 1
 
 

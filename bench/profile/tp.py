@@ -29,6 +29,7 @@ the sweep.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -48,6 +49,10 @@ MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs 
 # machine's drift. Phases are now one pass each, seconds apart, and seven rounds outvote stretches.
 CORUN_ROUNDS = 7
 CORUN_MICROBATCHES = 4   # a pass: the first of the profile's microbatches (small: ~2 s alone)
+# ... repeated to last at least this long alone: tiny's 4 microbatches take 0.08 s, and seven
+# rounds of such passes read 1.16, 1.70 and 1.06 in three profiles of one sweep (5 Dec), whose
+# module rates agreed within 5%.
+CORUN_PASS_S = 1.0
 # Rounds of (TP 1 pass, TP 2 pass) for the TP-2 speedup, the median of their own ratios (as the
 # co-run's): each timed apart from the other, minutes apart, drifted with the machine. A TP-2
 # pair in lockstep stalls whenever either rank loses its core, so its rounds scatter more than
@@ -181,18 +186,25 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
         built, timer = build_modules(w, dev, torch.float32, seed), _ThreadTimer(dev)
         for mb in batches:                       # warm-up (allocator, lazy inits), every process at once
             run_pass(built, mb, timer)
+        _barrier(store, total, "size")
+        if rank == 0:                            # how often a pass repeats the microbatches (CORUN_PASS_S)
+            started = time.perf_counter()
+            for mb in batches:
+                run_pass(built, mb, timer)
+            store.set("repeats", str(max(1, math.ceil(CORUN_PASS_S / (time.perf_counter() - started)))))
+        repeats = int(store.get("repeats"))
         for i, phase in enumerate(list(runs) * CORUN_ROUNDS):
             _barrier(store, total, f"phase{i}")
             if rank >= runs[phase]:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
             started = time.perf_counter()
-            for mb in batches:
+            for mb in batches * repeats:
                 run_pass(built, mb, timer, rec)
             times[phase].append(time.perf_counter() - started)
             cpu[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
         _barrier(store, total, "done")            # no copy exits while another still times a pass
-        Path(f"{out_file}.{rank}").write_text(json.dumps({**times, "cpu": cpu}))
+        Path(f"{out_file}.{rank}").write_text(json.dumps({**times, "cpu": cpu, "repeats": repeats}))
     finally:
         teardown()
         dist.destroy_process_group()
@@ -236,9 +248,10 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                                       str(data_root), num_samples), out, "side-by-side module timing", nprocs=2 * procs,
                      timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
-    return {**corun_slowdowns(raw, procs),
+    return {**corun_slowdowns(raw, procs), "pass_repeats": raw[0]["repeats"],
             "method": (f"wall seconds of one pass over {min(microbatches, CORUN_MICROBATCHES)} microbatches of the "
-                       f"TP-1 modules' forwards and backwards, built once per process, alone (process 0), as {procs} "
+                       f"TP-1 modules' forwards and backwards (repeated pass_repeats times, to at least "
+                       f"{CORUN_PASS_S:g} s alone), built once per process, alone (process 0), as {procs} "
                        f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
                        f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
                        f"rounds of each round's slowest copy / alone; below 1 (noise) counts as 1; cpu_slowdown: the same "
