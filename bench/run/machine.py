@@ -98,10 +98,11 @@ def thread_times() -> tuple[float, float, float] | None:
 
 def kernel_time() -> tuple[float, int]:
     """This process so far (all its threads): (CPU seconds spent in the kernel, minor page
-    faults). Every page of a freshly allocated buffer faults on its first write, and what one
-    fault costs varies several-fold on a virtual machine (the host may have to back the page
-    again), so a step that allocates anew each time (DeepSpeed's gradient buckets: ~38,000
-    faults per rank per step on `small`) can spend a large, varying share of its CPU here."""
+    faults). Every page of a freshly allocated buffer faults on its first write, and on this
+    project's virtual machine one fault cost 1.3-1.5 us of kernel time on most ranks and up to
+    ~10x that on others (cause not found), so a step that allocates anew each time (DeepSpeed's
+    gradient buckets: ~38,000 faults per rank per step on `small`) can spend a large, varying
+    share of its CPU here."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_stime, usage.ru_minflt
 
