@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.heap import DEFAULT_HEAP, HEAP_CHOICES
 from systems.base import ConfigError, Layout, OptimConfig, get_system
 from workloads.presets import get_workload
 from workloads.profiles import DATA_PROFILES
@@ -57,6 +58,9 @@ class RunConfig:
     timeout_s: int = 900               # no progress this long ends the run (and a collective times out)
     # Fault injection for the failure tests, off when empty: KIND@RANK:STEP (FaultSpec).
     fault: str = ""
+    # What the processes' C heap does with freed memory: release it to the OS, glibc's default
+    # (faulted in again the next step), or keep it, as a GPU's caching allocator does (bench.heap).
+    host_heap: str = DEFAULT_HEAP
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict[str, Any] = field(default_factory=dict)   # system options (tp, pp, plan, ...)
@@ -164,6 +168,8 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"data.reorder={cfg.data.reorder!r}; choose one of {REORDER_CHOICES}")
     if cfg.data.preprocess not in PREPROCESS_CHOICES:
         raise ConfigError(f"data.preprocess={cfg.data.preprocess!r}; choose one of {PREPROCESS_CHOICES}")
+    if cfg.host_heap not in HEAP_CHOICES:
+        raise ConfigError(f"host_heap={cfg.host_heap!r}; choose one of {HEAP_CHOICES}")
     if cfg.dtype not in ("fp32", "bf16"):
         raise ConfigError(f"dtype={cfg.dtype!r}; choose fp32 or bf16")
     if cfg.device not in ("cpu", "cuda"):
@@ -195,6 +201,8 @@ def config_key(config: RunConfig | dict) -> str:
     d.pop("tags", None)
     if not d.get("fault"):
         d.pop("fault", None)          # added later: runs without a fault keep their config_key
+    if d.get("host_heap", "release") == "release":
+        d.pop("host_heap", None)      # added later: runs on glibc's default heap keep their config_key
     if not d.get("data", {}).get("webdataset"):
         # Generated data: hash the keys that existed before data.webdataset, so repeats recorded
         # earlier keep their config_key.

@@ -71,7 +71,7 @@ class PreprocessService:
         return [sys.executable, "-m", "bench.preprocess.worker", "--dataset", str(self.dataset),
                 "--workload", c.workload, "--profile", c.data.profile, "--seed", str(c.seed),
                 "--bind", self.bind, "--advertise", self.advertise, "--heartbeat-s", repr(self.heartbeat_s),
-                "--parent-pid", str(os.getpid())]
+                "--parent-pid", str(os.getpid()), "--host-heap", c.host_heap]
 
     def start(self) -> dict[str, str]:
         repo = str(Path(__file__).resolve().parent.parent)

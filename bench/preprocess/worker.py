@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from bench import heap
 from bench.preprocess.wire import (HEARTBEAT, ProtocolError, decode_request, encode_error, encode_microbatch,
                                    run_identity)
 from workloads.loader import DatasetReader
@@ -48,6 +49,7 @@ def _load_loop(ctx: zmq.Context, reader: DatasetReader, jobs: queue.Queue) -> No
 
 def serve(args) -> None:
     torch.set_num_threads(1)
+    heap.apply(args.host_heap)                          # the trainers' policy (bench.heap)
     workload = get_workload(args.workload, args.profile or None)
     reader = DatasetReader(args.dataset, workload, args.seed)
     reader.tokenizer                                    # load it now, not on the first request
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--advertise", default="", help="host trainers connect to (default: the bind address)")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument("--host-heap", choices=heap.HEAP_CHOICES, default=heap.DEFAULT_HEAP)
     serve(p.parse_args(argv))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench import heap
 from bench.config import RunConfig
 from bench.run import machine
 from bench.run.faults import Injector
@@ -72,6 +73,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         progress.beat(phase)
 
     mark("imports")                    # interpreter start to here: Python, torch, our modules
+    if not heap.apply(cfg.host_heap) and rank == 0:
+        print(f"[bench] host_heap={cfg.host_heap} needs glibc's malloc; this process keeps its allocator's "
+              "default", file=sys.stderr)
     torch.set_num_threads(cfg.threads_per_proc)
     device = _device(cfg)
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
