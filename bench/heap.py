@@ -10,12 +10,13 @@ afternoon sweep the 4-process `small` ranks spent 7-23% of their CPU in the kern
 6,000-65,000 minor faults per rank per step. "keep" turns both releases off (mallopt
 M_MMAP_MAX = 0 and M_TRIM_THRESHOLD = -1, "disables trimming completely", mallopt(3)); PyTorch's
 performance tuning guide recommends a reusing allocator (jemalloc, TCMalloc) on CPU for the same
-reason. Measured once each (megatron `small-gen-heavy`, 2 processes, 5 Dec): faults per rank and
-step 45,000 -> 24,000, kernel share of the step 8.3% -> 6.0%, peak RSS 0.99 -> 1.11 GiB. The
-price is memory: PyTorch allocates with 64-byte alignment (posix_memalign), whose chunks do not
-fit the blocks it freed, so glibc's heap grows to several times the largest block before it
-reuses them (a 64 MiB tensor alone: 0.6 GiB). Not the default until an interleaved A/B shows what
-it does to step times and to the simulator's error; `bench profile` runs on glibc's default.
+reason. An interleaved A/B on 5 Dec (six sweep configurations, 3 repeats each way) halved the
+faults everywhere but moved step times only for DeepSpeed (1.08x faster kept, [1.02, 1.19]);
+`tiny` ran 3% slower kept, the others within the noise. The price is memory: PyTorch allocates
+with 64-byte alignment (posix_memalign), whose chunks do not fit the blocks it freed, so glibc's
+heap grows to several times the largest block before it reuses them (a 64 MiB tensor alone:
+0.6 GiB; the runs' peak RSS 0-21% more). So "release" stays the default, and `bench profile`
+runs on it.
 """
 from __future__ import annotations
 
