@@ -6,7 +6,7 @@ Why it is offered: PyTorch's CPU allocator takes every tensor from malloc and fr
 glibc serves a large block with its own mmap (above a threshold that adapts up to 32 MiB) and
 trims the top of its heap when more than twice that lies free; both hand the memory back to the
 kernel, so the next microbatch's activations fault it in again, page by page. In the 5 Dec
-afternoon sweep the 4-process `small` ranks spent 7-23% of their CPU in the kernel, with
+early sweep (01:47-03:04 UTC) the 4-process `small` ranks spent 7-23% of their CPU in the kernel, with
 6,000-65,000 minor faults per rank per step. "keep" turns both releases off (mallopt
 M_MMAP_MAX = 0 and M_TRIM_THRESHOLD = -1, "disables trimming completely", mallopt(3)); PyTorch's
 performance tuning guide recommends a reusing allocator (jemalloc, TCMalloc) on CPU for the same
