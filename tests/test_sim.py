@@ -291,6 +291,22 @@ def test_cpu_cluster_costs_overhead_slowdown_and_fp32():
     assert gpu.compute_slowdown == 1.0 and gpu.value_bytes == 2 and not gpu.host
 
 
+def test_a_cpu_profile_splits_forward_and_backward_as_it_measured_them():
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["modules"]["generator"].update(forward_s=0.003, backward_s=0.001)     # overhead-bound: forward-heavy
+    prof["modules"]["encoder"].update(forward_s=0.0, backward_s=0.0)           # never timed: split by FLOPs
+    cl = cluster_from_profile(prof, processes=1, cores=2)
+    assert cl.forward_share == {"backbone": pytest.approx(1 / 3), "generator": pytest.approx(0.75)}
+    f, b = C.compute_fb(1e10, "generator", 1, cl)
+    assert f / (f + b) == pytest.approx(0.75)
+    fr, br = C.compute_fb(1e10, "generator", 1, cl, recompute=True)         # recompute runs the forward again
+    assert (fr, br) == (pytest.approx(f), pytest.approx(b + f))
+    f, b = C.compute_fb(1e10, "encoder", 1, cl)
+    assert f / (f + b) == pytest.approx(1 / 3)
+
+
 def test_measured_tp_speedup_replaces_the_tp_model_on_cpu():
     from bench.sim.cluster import cluster_from_profile
     from tests.test_validate import synthetic_profile

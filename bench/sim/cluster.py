@@ -83,8 +83,12 @@ class Cluster:
     # Bytes per activation / gradient / parameter element on the wire (2: bf16; 4: fp32 CPU runs).
     value_bytes: int = 2
     # Per module: fixed seconds of one forward + backward call on top of FLOPs / rate (kernel and
-    # Python overheads that dominate small CPU layers), split 1/3 forward, 2/3 backward.
+    # Python overheads that dominate small CPU layers), split as forward_share says.
     overhead_s: dict = field(default_factory=dict)
+    # Per module: the forward's measured share of its forward + backward seconds (a CPU profile's
+    # forward_s / (forward_s + backward_s) over the workload's microbatches); modules without one
+    # split by FLOPs, 1/3 forward (one GEMM per weight) and 2/3 backward (dgrad + wgrad).
+    forward_share: dict = field(default_factory=dict)
     # Host-side costs per iteration (CPU runs): optimizer {"fixed_s", "s_per_param"} per optimizer,
     # data {"s_per_sample", "s_per_input_pixel", "s_per_output_pixel", "collate_s_per_microbatch"}
     # per rank that preprocesses in the trainer, "collectives_per_step" world collectives (the
@@ -336,6 +340,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         peak_flops_measured=peak, peak_flops_measured_source=profile.get("peak_flops_source", where),
         value_bytes=2 if profile.get("dtype") == "bf16" else 4,
         overhead_s={n: float(mods[n].get("overhead_s", 0.0)) for n in MODULES},
+        forward_share=_forward_shares(mods),
         # The per-module rate is measured at TP 1 on whole microbatches; at TP > 1 the profile's GEMM
         # table says how much slower the smaller per-rank GEMMs run (bench.sim.gemm, "table").
         hbm_bw=None, hbm_bw_source="", compute_model="table" if profile.get("gemm") else "flat",
@@ -348,6 +353,17 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
               "dp_sync": _dp_collectives(comm), "processes": procs, "systems": profile.get("systems") or {},
               "source": where})
     return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c
+
+
+def _forward_shares(modules: dict) -> dict:
+    """{module: forward seconds / (forward + backward seconds)} of a CPU profile's modules that
+    timed any (measure.time_modules times the two apart on every microbatch)."""
+    out = {}
+    for n in MODULES:
+        f, b = float(modules[n].get("forward_s", 0.0)), float(modules[n].get("backward_s", 0.0))
+        if f > 0 and b > 0:
+            out[n] = f / (f + b)
+    return out
 
 
 def _dp_collectives(comm: dict) -> dict | None:

@@ -194,7 +194,8 @@ def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = 
     module invocations (per-call overhead), default one wherever there is work. With the
     module's `shape` and `tokens` (per element of `flops`), the efficiency is the shape
     efficiency of the cluster's GEMM model at tokens / calls / cp per call (bench.sim.gemm);
-    without them, or on a flat-model cluster, the per-module efficiency."""
+    without them, or on a flat-model cluster, the per-module efficiency. Split between forward
+    and backward as the cluster measured (Cluster.forward_share), else 1:2 as the FLOPs."""
     flops = np.asarray(flops, dtype=np.float64)
     if shape is not None and tokens is not None and cluster.compute_model != "flat":
         per_call = np.asarray(tokens, dtype=np.float64) / cp / (1.0 if calls is None else
@@ -207,7 +208,8 @@ def compute_fb(flops, module: str, tp: int, cluster: Cluster, recompute: bool = 
     if over:
         t = t + over * (np.where(flops > 0, 1.0, 0.0) if calls is None else np.asarray(calls, dtype=np.float64))
     t = t * cluster.compute_slowdown
-    return t / 3, 2 * t / 3 + (t / 3 if recompute else 0.0)
+    fwd = t * cluster.forward_share.get(module, 1 / 3)
+    return fwd, t - fwd + (fwd if recompute else 0.0)
 
 
 def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, recompute: bool = False, calls=None):
