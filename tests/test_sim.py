@@ -307,6 +307,19 @@ def test_a_cpu_profile_splits_forward_and_backward_as_it_measured_them():
     assert f / (f + b) == pytest.approx(1 / 3)
 
 
+def test_a_world_all_gather_is_read_from_the_collective_measured_at_that_many_processes():
+    from dataclasses import replace
+    cl = _cpu_cluster(processes=4, cores=2)
+    ring = C.world_all_gather(1000.0, 4, False, cl)
+    bw, lat = C.link(cl, False)
+    assert ring == pytest.approx(3 * (1000.0 / bw + lat))             # never measured at 4/4: the ring model
+    host = dict(cl.host, dp_sync={**(cl.host["dp_sync"] or {}),
+                                  "4/4": {"all_gather": {"latency_s": 0.004, "s_per_byte": 2e-9}}})
+    measured = replace(cl, host=host)
+    assert C.world_all_gather(1000.0, 4, False, measured) == pytest.approx(0.004 + 4000 * 2e-9)
+    assert C.world_all_gather(1000.0, 2, False, measured) == pytest.approx(C.world_all_gather(1000.0, 2, False, cl))
+
+
 def test_measured_tp_speedup_replaces_the_tp_model_on_cpu():
     from bench.sim.cluster import cluster_from_profile
     from tests.test_validate import synthetic_profile

@@ -308,6 +308,17 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
     return grad, ring_shard(nbytes, dp, bw, lat)
 
 
+def world_all_gather(per_rank_bytes, ranks: int, spans_nodes, cluster: Cluster) -> float:
+    """Seconds of an all-gather over `ranks` ranks, each contributing `per_rank_bytes`: as measured
+    on this CPU with that many processes in one group (bench/profile/dp_groups.py "ranks/ranks",
+    fitted on the gathered buffer's bytes), else a ring over the cluster's link."""
+    at = (((cluster.host or {}).get("dp_sync") or {}).get(f"{ranks}/{ranks}") or {}).get("all_gather")
+    if at:
+        return float(at["latency_s"] + per_rank_bytes * ranks * at["s_per_byte"])
+    bw, lat = link(cluster, spans_nodes)
+    return float((ranks - 1) * (per_rank_bytes / bw + lat))
+
+
 def zero3_microbatch_comm(params, dp, spans_nodes, cluster: Cluster):
     """ZeRO-3 per microbatch: all-gather for forward and backward, reduce-scatter of gradients."""
     bw, lat = link(cluster, spans_nodes)
