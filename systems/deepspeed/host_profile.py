@@ -14,7 +14,7 @@ engine.step()), with every process reducing at once: the workload's whole model 
 `processes` gloo ranks, gradients set on every parameter, medians over a few steps. Beside them,
 rank 0's kernel seconds and minor page faults in the flush: the flush allocates its buckets
 anew, and in the runs the last rank to arrive paid 3-10x the kernel time for the same faults
-(README, the 5 Dec midnight sweep), which this synchronized timing does not reproduce.
+(docs/validation-log.md, the 5 Dec midnight sweep), which this synchronized timing does not reproduce.
 """
 from __future__ import annotations
 
