@@ -772,6 +772,25 @@ def test_data_wait_inline_on_cpu_prefetched_on_gpus():
     assert data_wait(3.0, 1.0, _cpu_cluster()) == 3.0             # our CPU trainers preprocess inline
 
 
+def test_a_gpu_cluster_names_the_cpu_profile_it_read_without_the_users_directories(tmp_path, monkeypatch):
+    import json
+    from bench.sim.preprocess import with_preprocess
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["data"] = {"s_per_sample": 0.01, "s_per_input_pixel": 1e-8, "s_per_output_pixel": 1e-8,
+                    "collate_s_per_microbatch": 0.001}
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "cpu-small.json").write_text(json.dumps(prof))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)                       # the profile is not below the working directory
+    got = with_preprocess(H100, "small", tmp_path / "profiles")
+    assert got.preprocess == prof["data"]
+    assert str(tmp_path) not in got.preprocess_source and "cpu-small.json" in got.preprocess_source
+    monkeypatch.chdir(tmp_path)
+    assert "profiles/cpu-small.json" in with_preprocess(H100, "small", tmp_path / "profiles").preprocess_source
+
+
 def test_slow_preprocessing_shows_as_data_wait_for_trainers_not_for_disaggregated_workers():
     slow = dataclasses.replace(H100, preprocess={"s_per_sample": 0.05, "s_per_input_pixel": 2e-6,
                                                  "s_per_output_pixel": 2e-6, "collate_s_per_microbatch": 0.01})

@@ -41,7 +41,8 @@ def measured_record(system: str, nproc: int, sets: dict, step_s: float, workload
                                  "step_time_s": step_s,
                                  **({} if outside is None else {"outside_cpu_share": outside}),
                                  **({} if ranks is None else dict(zip(("rank_cpu_share", "rank_runqueue_share",
-                                                                       "rank_helper_runqueue_share", "rank_gc_share"),
+                                                                       "rank_helper_runqueue_share", "rank_gc_share",
+                                                                       "rank_sys_share"),
                                                                       ranks)))},
                         config_key=config_key(cfg), repeat=repeat)
 
@@ -77,7 +78,7 @@ def test_validation_appends_tagged_records_and_a_table(setup):
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
     assert ("| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-            "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC % |") in text
+            "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC %; kernel % |") in text
     assert text.count("\n| megatron") == 1 and text.count("\n| disttrain") == 2
     # idempotent: a second pass with the same profile appends nothing
     validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
@@ -102,7 +103,8 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
     profiles.mkdir()
     (profiles / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
     results = tmp_path / "runs.jsonl"
-    recs = [measured_record("megatron", 2, {}, t, repeat=i + 1, outside=0.01 * i, ranks=(0.5 + 0.1 * i, 0.3 - 0.1 * i, 0.1, 0.02 + 0.01 * i))
+    recs = [measured_record("megatron", 2, {}, t, repeat=i + 1, outside=0.01 * i,
+                            ranks=(0.5 + 0.1 * i, 0.3 - 0.1 * i, 0.1, 0.02 + 0.01 * i, 0.1 + 0.02 * i))
             for i, t in enumerate((0.05, 0.04, 0.09))]
     with open(results, "w") as f:
         for r in recs:
@@ -117,7 +119,7 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
     assert row["noise_pct"] > 0 and f"the repeats' own noise {row['noise_pct']:.1f}%." in text
     # the ranks' time on a CPU and waiting for one: medians over the repeats
     assert row["rank_cpu_share"] == pytest.approx(0.6) and row["rank_runqueue_share"] == pytest.approx(0.2)
-    assert text.rstrip().count("| 60 / 20, 10; 3.0 |") == 1       # then the garbage collector's share
+    assert text.rstrip().count("| 60 / 20, 10; 3.0; 12 |") == 1   # then the garbage collector's and the kernel's
 
 
 def test_oversubscription_is_explicit(setup):

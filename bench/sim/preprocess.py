@@ -40,9 +40,21 @@ def with_preprocess(cluster: Cluster, workload: str, root=None) -> Cluster:
         if path is None:
             continue
         try:
-            data = load_profile(path).get("data")
+            profile = load_profile(path)
         except ValueError:
             continue
-        if data:
-            return replace(cluster, preprocess=data, preprocess_source=f"measured on this machine's cores: {path}")
+        if profile.get("data"):
+            where = f"{_shown(path)} ({profile['hardware']['name']}, {profile['date']})"
+            return replace(cluster, preprocess=profile["data"], preprocess_source=f"measured on this machine's cores: {where}")
     return cluster
+
+
+def _shown(path) -> str:
+    """`path` relative to the working directory where it lies below it, else its file name: a
+    record names the profile it read without the user's home directory in it."""
+    from pathlib import Path
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name

@@ -202,7 +202,8 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
         shares = [x for x in shares if x is not None]
         meas = group[0][0]
         ranks = {k: [m["metrics"][k] for m, _ in group if m["metrics"].get(k) is not None]
-                 for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share", "rank_gc_share")}
+                 for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share", "rank_gc_share",
+                          "rank_sys_share")}
         rows.append({"system": meas["system"], "workload": meas["workload"],
                      "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
@@ -228,7 +229,8 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "runqueue = the median over repeats of the shares of the ranks' step time on a CPU (all threads) and "
              "with the training thread, then gloo's and other helper threads, runnable but waiting for a core (the "
              "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); GC = the share in "
-             "Python's garbage collector; "
+             "Python's garbage collector; kernel = the share in the kernel (getrusage system time, page faults "
+             "included); "
              "with several profiles, simulated = the median over them (their range in brackets). The repeats' "
              "own noise (summary lines) = the mean |error| expected of a model exact on average, from each "
              "configuration's repeats (the mean |bootstrap median - median| / median): the floor of what these "
@@ -236,7 +238,7 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-              "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC % |",
+              "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC %; kernel % |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         extra = (" (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else "") + \
@@ -269,8 +271,11 @@ def _rank_shares(row: dict) -> str:
     shares = [row.get(k) for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share")]
     if None in shares:
         return "?"
-    gc = row.get("rank_gc_share")
-    return "{:.0f} / {:.0f}, {:.0f}".format(*(100 * x for x in shares)) + ("" if gc is None else f"; {100 * gc:.1f}")
+    gc, kernel = row.get("rank_gc_share"), row.get("rank_sys_share")
+    out = "{:.0f} / {:.0f}, {:.0f}".format(*(100 * x for x in shares))
+    if gc is not None or kernel is not None:
+        out += "; ?" if gc is None else f"; {100 * gc:.1f}"
+    return out + ("" if kernel is None else f"; {100 * kernel:.0f}")
 
 
 def _range(row: dict) -> str:
