@@ -143,11 +143,25 @@ def test_a_profiled_gpu_uses_its_measured_layers_and_gemm_table(profiles):
     if "long-64k" in paper_presets():
         assert get_cluster("h200", get_workload("long-64k")).efficiency["backbone"] == pytest.approx(0.49)
     assert get_cluster("h100").compute_source.startswith("assumed: ")         # no h100-sxm.json
+    assert c.forward_share == {} and get_cluster("h100").forward_share == {}  # untimed rows: 1:2 as the FLOPs
     from bench.sim.gemm import shape_efficiency
     from bench.sim.costs import module_shapes
     shape = module_shapes(get_workload("mllm-72b"))["backbone"]
     tp1, tp8 = (float(shape_efficiency(c, "backbone", shape, t, 8192)) for t in (1, 8))
     assert tp1 == pytest.approx(0.58) and tp8 < tp1                           # the table's narrower GEMMs
+
+
+def test_a_profiled_gpu_splits_forward_and_backward_as_its_layers_measured(tmp_path, monkeypatch):
+    prof = _profile()
+    for r in prof["layers"]:                     # the 8B backbone: forward 0.3 of its time, the others 0.4
+        r["forward_s"], r["backward_s"] = (0.3, 0.7) if r["hidden"] == 4096 else (0.4, 0.6)
+    (tmp_path / "h200.json").write_text(json.dumps(prof))
+    monkeypatch.setenv("BENCH_GPU_PROFILE_DIR", str(tmp_path))
+    c = get_cluster("h200", get_workload("mllm-9b"))
+    assert c.forward_share == pytest.approx({"encoder": 0.4, "backbone": 0.3, "generator": 0.4})
+    from bench.sim import costs
+    f, b = costs.compute_fb(1e15, "backbone", 1, c)
+    assert f / (f + b) == pytest.approx(0.3)
 
 
 def test_simulated_records_say_which_compute_they_used(profiles):

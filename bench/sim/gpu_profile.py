@@ -10,6 +10,8 @@ with what was measured on it instead of the assumed constants:
                       workload whose layer shape was not measured gets the median of that
                       module's measured layers, and the record says so; a module with no
                       measured layer at all keeps its assumed efficiency, and the record says that;
+  forward_share[m]    the same layer's forward seconds / (forward + backward) (the median of the
+                      rows the efficiency came from), in place of the FLOPs' 1/3;
   gemm_table          the profile's GEMM table: compute_model "table" scales that efficiency to
                       TP t by the table's per-rank GEMM rates (bench/sim/gemm.py).
 A GPU never profiled keeps the datasheet peak x bench.metrics.DEFAULT_EFFICIENCY on the roofline.
@@ -60,11 +62,12 @@ def _shape_of(workload, module: str) -> tuple:
     return s.hidden_size, s.num_attention_heads, groups, s.ffn_hidden_size
 
 
-def module_efficiency(profile: dict, workload=None) -> tuple[dict, str]:
-    """({module: measured efficiency}, how each was chosen) for `workload` (None: medians)."""
+def module_efficiency(profile: dict, workload=None) -> tuple[dict, dict, str]:
+    """({module: measured efficiency}, {module: measured forward share}, how each was chosen)
+    for `workload` (None: medians)."""
     rows = [r for r in profile["layers"] if r["tp"] == 1 and r.get("mfu")]
     attention = "sdpa" if any(r["attention"] == "sdpa" for r in rows) else "local"
-    eff, notes = {}, []
+    eff, share, notes = {}, {}, []
     for m in MODULES:
         mine = [r for r in rows if r["module"] == m and r["attention"] == attention]
         if not mine:
@@ -74,13 +77,18 @@ def module_efficiency(profile: dict, workload=None) -> tuple[dict, str]:
         if same and m == "backbone":        # the same layer at several context lengths: the nearest
             seq = workload.backbone.seq_length
             same.sort(key=lambda r: abs(math.log(r.get("seq", seq) / seq)))
+        used = same[:1] or mine
         if same:
             eff[m] = min(1.0, same[0]["mfu"])
             notes.append(f"{m} {eff[m]:.3f} ({same[0]['name']} layer)")
         else:
             eff[m] = min(1.0, statistics.median(r["mfu"] for r in mine))
             notes.append(f"{m} {eff[m]:.3f} (median of {len(mine)} measured layers: this shape was not measured)")
-    return eff, f"layer forward + backward MFU at TP 1 with {attention} attention: " + "; ".join(notes)
+        timed = [r["forward_s"] / (r["forward_s"] + r["backward_s"]) for r in used
+                 if r.get("forward_s", 0) > 0 and r.get("backward_s", 0) > 0]
+        if timed:
+            share[m] = statistics.median(timed)
+    return eff, share, f"layer forward + backward MFU at TP 1 with {attention} attention: " + "; ".join(notes)
 
 
 def with_measured_compute(cluster, workload=None, root: Path | None = None):
@@ -92,7 +100,7 @@ def with_measured_compute(cluster, workload=None, root: Path | None = None):
     if prof["hardware"].get("spec") != cluster.gpu or prof["dtype"] != cluster.dtype:
         raise ValueError(f"{path} profiles {prof['hardware'].get('spec')} {prof['dtype']}, "
                          f"not {cluster.gpu} {cluster.dtype}")
-    eff, how = module_efficiency(prof, workload)
+    eff, share, how = module_efficiency(prof, workload)
     unmeasured = [m for m in MODULES if m not in eff]
     if unmeasured:      # a module with no measured layer keeps the assumed efficiency, and says so
         how += "; " + "; ".join(f"{m} {cluster.efficiency[m]:.3f} assumed (the profile measured no {m} layer)"
@@ -104,6 +112,7 @@ def with_measured_compute(cluster, workload=None, root: Path | None = None):
     v = prof["versions"]
     source = (f"measured: {where} ({prof['date']}; {prof['hardware']['name']}, torch {v.get('torch')}, "
               f"CUDA {v.get('cuda')}; {prof['producer']})")
-    out = replace(cluster.with_efficiency(eff, f"{source}: {how}"), compute_source=source)
+    out = replace(cluster.with_efficiency(eff, f"{source}: {how}"), compute_source=source,
+                  forward_share={**cluster.forward_share, **share})
     # the measured GEMM table replaces the roofline's assumed cap + cited HBM bandwidth
     return replace(out, compute_model="table", gemm_table=prof["gemm"]) if prof.get("gemm") else out
