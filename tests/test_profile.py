@@ -57,6 +57,9 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
         assert tp[n]["seconds"] > 0 and len(tp[n]["rounds"]) == TP_ROUNDS and tp[n]["tp1_seconds"] > 0
         assert tp[n]["speedup"] == pytest.approx(statistics.median(tp[n]["rounds"]))
         assert 0 < tp[n]["busy"] <= 1 and len(tp[n]["cpu_seconds"]) == 2     # each rank's share on a core
+        # two TP-2 groups at once against the first alone
+        assert len(tp[n]["side_by_side_rounds"]) == TP_ROUNDS and tp[n]["side_by_side"] > 0
+    assert p["tp"]["side_by_side_groups"] == 2
     corun = p["corun"]                                       # the modules on every core at once
     assert corun["processes"] == min(os.cpu_count(), 8) and corun["seconds"] > 0 and corun["slowdown"] >= 1.0
     over = corun["oversubscribed"]                           # and two per core
@@ -193,6 +196,20 @@ def test_tp_speedup_is_the_median_of_each_rounds_own_ratio():
         assert rows[n]["rounds"] == pytest.approx([2.0, 2.0, 2.0]) and rows[n]["speedup"] == pytest.approx(2.0)
         assert rows[n]["seconds"] == 1.0 and rows[n]["tp1_seconds"] == 2.0
         assert rows[n]["busy"] == pytest.approx((0.8 + 1.0) / 2) and rows[n]["cpu_seconds"] == pytest.approx([2.8, 3.2])
+
+
+def test_tp_groups_side_by_side_are_the_slowest_rank_over_the_pair_alone_each_round():
+    from bench.profile.tp import tp_speedups
+    one = lambda wall: {n: {"wall": wall, "cpu": wall} for n in MODULES}
+    alone = [one(2.0), one(3.0), one(2.0)]
+    pair = [[one(1.0), one(1.5), one(1.0)], [one(0.9), one(1.4), one(0.9)]]
+    # side by side: 4 ranks; the slowest counts (a lockstep step waits for it), round 2 slow for all
+    side = [[one(1.9), one(2.85), one(2.1)], [one(2.0), one(3.0), one(1.9)], [one(1.8), one(2.7), one(1.9)],
+            [one(1.7), one(2.6), one(1.8)]]
+    rows = tp_speedups(pair, alone, side)
+    for n in MODULES:
+        assert rows[n]["side_by_side_rounds"] == pytest.approx([2.0, 2.0, 2.1]) and rows[n]["side_by_side"] == 2.0
+    assert "side_by_side" not in tp_speedups(pair, alone)["backbone"]        # not measured: absent
 
 
 def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():

@@ -385,6 +385,35 @@ def test_tp_ranks_waiting_at_collectives_leave_their_cores_to_others():
         assert t[0.5, 64] == pytest.approx(t[1.0, 64]), (system, lay)
 
 
+def test_two_tp_groups_side_by_side_take_the_measured_slowdown_where_that_was_measured():
+    """Colocated `small` at 4 processes on 2 cores runs two TP-2 backbone groups at once: the
+    profile's measured side-by-side slowdown prices that lockstep instead of processor sharing;
+    other arrangements, and clusters without the measurement, keep the schedule's model."""
+    from bench.sim import host
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+
+    def cluster(side=None, processes=4, cores=2):
+        prof = synthetic_profile()
+        prof["tp"] = {"2": {n: {"seconds": 1.0, "tp1_seconds": 1.2, "speedup": 1.2, "busy": 0.9,
+                                **({} if side is None else {"side_by_side": side})}
+                            for n in ("encoder", "backbone", "generator")}}
+        return cluster_from_profile(prof, processes=processes, cores=cores)
+    plain, measured = cluster(), cluster(2.5)
+    assert measured.side_by_side("backbone", 2, 2) == 2.5 and plain.side_by_side("backbone", 2, 2) is None
+    assert measured.side_by_side("backbone", 2, 4) is None                     # 4 groups: never measured
+    assert cluster(2.5, cores=4).side_by_side("backbone", 2, 2) is None        # a core each: the model
+    own = measured.measured_tp_contention("backbone", 2)
+    got = host.lockstep([0.2, 0.3], 2, 4, measured, 0.9, "backbone")
+    assert got == pytest.approx(0.3 * own * 2.5)          # the slowest group alone, its own co-run put back
+    assert host.lockstep([0.2, 0.3], 2, 4, plain, 0.9, "backbone") == pytest.approx(
+        host.lockstep([0.2, 0.3], 2, 4, measured, 0.9))     # without a module or a measurement: the model
+    kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
+    lay = {"plan": "enc:1x4,llm:2x1x2,gen:1x4", "placement": "colocated"}
+    slow, base = (simulate("small", "disttrain", lay, 4, c, **kw)["iteration_time_s"] for c in (cluster(3.0), plain))
+    assert slow > base
+
+
 def test_bridge_transfers_are_work_on_both_sides_of_each_module_boundary():
     """A measured bridge transfer (bench.profile.bridge) costs each side cpu_s of work; the rest of
     its wall time is transit. Counts per rank: fan-in enc:1x2 -> llm:1x1x1 -> gen:1x1 puts 2

@@ -8,6 +8,12 @@ collective. Measured on the 2-core machine this project runs on (small-enc-heavy
 encoder ran *slower* at TP 2 than at TP 1. So the simulator's
 measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 seconds per module,
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
+And two TP-2 groups side by side (4 processes; the colocated DistTrain runs' backbone at 2 cores),
+against one alone: each rank of a pair waits at every collective for the other, and with two
+busy processes per core its partner is often off-core then. The processor-sharing schedule,
+which hands a waiting rank's core to the others, put two groups at 1.82-1.85x one alone from the
+5 Dec early sweep's profiles; measured (diagnostic, 5 rounds): 1.94x on the backbone. The
+simulator reads the measured slowdown where a run has that arrangement (Cluster.tp_side_by_side).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
 at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
@@ -41,6 +47,7 @@ from bench.profile.measure import Timer
 from workloads.presets import MODULES
 
 TP = 2
+PROCESSES = 2 * TP + 1   # two TP groups (side by side in one phase) and the TP-1 process
 MAX_CORUN = 8            # side-by-side copies at most (a big machine: the runs use few processes)
 # Rounds of (alone, together, oversubscribed), the median of their own ratios. With three rounds,
 # each phase rebuilding the modules (~20 s apart), the slowdown with two per core read 1.01-1.09
@@ -70,57 +77,67 @@ def _barrier(store, processes: int, tag: str) -> None:
 
 def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, seed: int, microbatches: int,
                data_root: str, num_samples: int, out_file: str) -> None:
-    """Ranks 0 and 1 form one TP-2 group; rank 2 runs the same modules at TP 1, a world of its own.
-    They take turns, TP_ROUNDS times: a pass of rank 2 over the microbatches while the pair waits
-    at a store barrier (using no core), then a pass of the pair while rank 2 waits. Per pass and
-    module: forward + backward wall seconds and the process's CPU seconds (gloo's threads too)."""
+    """Ranks 0 and 1 form one TP-2 group; rank 2 runs the same modules at TP 1, a world of its own;
+    ranks 3 and 4 form a second TP-2 group. They take turns, TP_ROUNDS times: a pass of rank 2
+    over the microbatches while the others wait at a store barrier (using no core), a pass of the
+    first pair, then a pass of both pairs side by side. Per pass and module: forward + backward
+    wall seconds and the process's CPU seconds (gloo's threads too)."""
     import torch
     import torch.distributed as dist
     from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
     from workloads.presets import get_workload
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, TP + 1, rank == 0)
-    tp = TP if rank < TP else 1
-    if tp > 1:
-        dist.init_process_group("gloo", store=dist.PrefixStore("tp", store), rank=rank, world_size=TP)
+    store = dist.TCPStore("127.0.0.1", port, PROCESSES, rank == 0)
+    group = None if rank == TP else ("a" if rank < TP else "b")
+    tp = 1 if group is None else TP
+    if group:
+        group_rank = rank if group == "a" else rank - TP - 1
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"tp-{group}", store), rank=group_rank, world_size=TP)
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cpu")
     teardown = init_single_process(dev, tp=tp)
-    passes = []
+    passes, side = [], []
     try:
         w = get_workload(workload, data_profile)
         batches, *_ = load_microbatches(w, seed, w.micro_batch_size, microbatches, Path(data_root), num_samples)
         built, timer = build_modules(w, dev, torch.float32, seed, tp), Timer(dev)
         for mb in batches:                       # warm-up (allocator, lazy inits)
             run_pass(built, mb, timer)
-        for i, phase in enumerate([1, TP] * TP_ROUNDS):
-            _barrier(store, TP + 1, f"phase{i}")
-            if phase != tp:
+        for i, phase in enumerate(["tp1", "pair", "side"] * TP_ROUNDS):
+            _barrier(store, PROCESSES, f"phase{i}")
+            runs = {"tp1": group is None, "pair": group == "a", "side": group is not None}[phase]
+            if not runs:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
             for mb in batches:
                 run_pass(built, mb, timer, rec)
-            passes.append({n: {"wall": sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]), "cpu": sum(rec[n]["cpu"])}
-                           for n in MODULES})
+            (side if phase == "side" else passes).append(
+                {n: {"wall": sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]), "cpu": sum(rec[n]["cpu"])} for n in MODULES})
         # Leave together: the TP-1 process, done after the last round's TP-1 pass, exited during the
         # pair's last pass (interpreter teardown on a core they needed), and that round's ratio read
         # low in all ten module rows of five profiles on 4 Dec (encoder 0.49-0.56, the others 0.61-0.97).
-        _barrier(store, TP + 1, "done")
-        Path(f"{out_file}.{rank}").write_text(json.dumps(passes))
+        _barrier(store, PROCESSES, "done")
+        Path(f"{out_file}.{rank}").write_text(json.dumps({"passes": passes, "side": side}))
     finally:
         teardown()
         dist.destroy_process_group()
 
 
-def tp_speedups(pair: list[list[dict]], alone: list[dict]) -> dict:
+def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]] | None = None) -> dict:
     """Per module, from the TP-2 ranks' passes and the TP-1 process's (one per round, _tp_worker):
     "speedup" the median over the rounds of each round's TP-1 seconds / TP-2 seconds (the slower
     rank's: the pair is in lockstep), "rounds" those ratios, "seconds" and "tp1_seconds" medians,
-    "cpu_seconds" each TP rank's over all rounds, "busy" the TP ranks' CPU / wall seconds (mean)."""
+    "cpu_seconds" each TP rank's over all rounds, "busy" the TP ranks' CPU / wall seconds (mean).
+    With `side` (every rank's passes of both pairs side by side, one per round): "side_by_side"
+    the median over the rounds of the slowest rank's seconds there / the pair's alone that round,
+    "side_by_side_rounds" those ratios."""
     rows = {}
     for n in MODULES:
         t2 = [max(rank[i][n]["wall"] for rank in pair) for i in range(len(alone))]
+        if side:
+            both = [max(rank[i][n]["wall"] for rank in side) for i in range(len(alone))]
+            slow = [b / a for a, b in zip(t2, both) if a > 0 and b > 0] or [1.0]
         t1 = [a[n]["wall"] for a in alone]
         ratios = [a / b for a, b in zip(t1, t2) if a > 0 and b > 0] or [1.0]
         shares = [min(1.0, sum(p[n]["cpu"] for p in rank) / wall)
@@ -129,6 +146,8 @@ def tp_speedups(pair: list[list[dict]], alone: list[dict]) -> dict:
                    "speedup": statistics.median(ratios), "rounds": ratios,
                    "cpu_seconds": [float(sum(p[n]["cpu"] for p in rank)) for rank in pair],
                    "busy": float(statistics.mean(shares)) if shares else 1.0}
+        if side:
+            rows[n].update(side_by_side=statistics.median(slow), side_by_side_rounds=slow)
     return rows
 
 
@@ -142,15 +161,19 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp.json"
         run_processes(_tp_worker, (workload, data_profile, seed, count, str(data_root), num_samples), out,
-                      f"TP-{TP} module timing", nprocs=TP + 1, timeout=timeout)
-        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(TP + 1)]
-    return {str(TP): tp_speedups(raw[:TP], raw[TP]), "processes": TP,
+                      f"TP-{TP} module timing", nprocs=PROCESSES, timeout=timeout)
+        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(PROCESSES)]
+    pairs = [r for r in range(PROCESSES) if r != TP]
+    return {str(TP): tp_speedups([raw[r]["passes"] for r in range(TP)], raw[TP]["passes"],
+                                 [raw[r]["side"] for r in pairs]), "processes": TP, "side_by_side_groups": 2,
             "method": (f"each module's forward + backward over {count} microbatches at TP {TP} (megatron-core, "
                        f"gloo, {TP} local processes, one thread each) and at TP 1 (a third process), in "
                        f"{TP_ROUNDS} rounds of alternating passes seconds apart (the machine's speed drifts: "
                        f"TP-1 and TP-2 timed minutes apart put small-enc-heavy's encoder at 0.60 and 0.96 "
                        f"an hour apart); speedup = the median of each round's TP-1 / TP-2 wall seconds, "
-                       f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged")}
+                       f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged; "
+                       f"side_by_side = the median of each round's slowest rank with two TP-{TP} groups running at "
+                       f"once ({2 * TP} processes) / the first group's seconds alone that round")}
 
 
 class _ThreadTimer(Timer):

@@ -107,6 +107,9 @@ class Cluster:
     # "busy": process CPU seconds / wall seconds): the rest it waits at a collective for the other
     # rank, using no core. The shared-core schedule charges a TP group tp x busy cores, not tp.
     tp_busy: dict = field(default_factory=dict)
+    # Measured slowdown of two TP-t groups of a module side by side against one alone (a CPU
+    # profile's "tp" "side_by_side", bench/profile/tp.py), per module and t; see side_by_side.
+    tp_side_by_side: dict = field(default_factory=dict)
     # Measured cost of one activation through megatron-core's bridge communicator between two
     # modules (a CPU profile's "comm" "bridge": {"wall_s", "cpu_s"}, bench/profile/bridge.py), or
     # None; DistTrain's disaggregated simulation charges it at the module boundaries.
@@ -182,6 +185,15 @@ class Cluster:
             return 1.0
         busy = tp * float(self.tp_busy.get(module, {}).get(tp, 1.0))
         return contention(busy, self.shared_cores, self.corun_slowdown, self.oversubscribed_slowdown)
+
+    def side_by_side(self, module: str, tp: int, groups: int) -> float | None:
+        """The measured slowdown of `groups` TP-`tp` groups of `module` running at once against one
+        group alone, where the profile measured that arrangement (two groups) and the run's
+        processes outnumber the shared cores (the waits at the collectives the processor-sharing
+        schedule hands to others are what it measures); None elsewhere, and on devices of their own."""
+        if not self.shared_cores or groups != 2 or float(self.host.get("processes", 1)) <= self.shared_cores:
+            return None
+        return self.tp_side_by_side.get(module, {}).get(tp)
 
     def with_efficiency(self, efficiency: dict, source: str) -> "Cluster":
         """A copy whose per-module efficiency comes from a profile (e.g. measured on one GPU)."""
@@ -348,6 +360,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
         oversubscribed_slowdown=_oversubscribed(profile),
         tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
+        tp_side_by_side=_per_tp(profile, "side_by_side"),
         bridge=comm.get("bridge"), handoff=comm.get("handoff"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
               "dp_sync": _dp_collectives(comm), "processes": procs, "systems": profile.get("systems") or {},

@@ -29,10 +29,16 @@ def concurrency(per_rank_time, tp: int) -> float:
     return tp * float(t.sum() / t.max()) if t.size and t.max() > 0 else float(tp)
 
 
-def lockstep(per_rank_time, tp: int, P: int, cluster, busy: float = 1.0) -> float:
+def lockstep(per_rank_time, tp: int, P: int, cluster, busy: float = 1.0, module: str | None = None) -> float:
     """Time until every DP rank of a module (each with its TP ranks, all P ranks taking part)
     has done its share: the slowest rank, or, with shared cores, processor sharing among them,
-    each rank keeping `busy` of a core busy (a TP rank waits at its collectives, bench.sim.costs.tp_busy)."""
+    each rank keeping `busy` of a core busy (a TP rank waits at its collectives, bench.sim.costs.tp_busy).
+    Where the profile measured `module`'s TP groups side by side in this arrangement
+    (Cluster.side_by_side), the slowest group alone (its own ranks' co-run put back:
+    Cluster.measured_tp_contention) times that measured slowdown instead."""
+    side = cluster.side_by_side(module, tp, P // tp) if module is not None and tp > 1 else None
+    if side is not None and np.size(per_rank_time):
+        return float(np.max(per_rank_time)) * cluster.measured_tp_contention(module, tp) * side
     t = np.repeat(np.asarray(per_rank_time, dtype=np.float64), tp)
     if not cluster.shared_cores or t.size == 0:
         return float(t.max()) if t.size else 0.0

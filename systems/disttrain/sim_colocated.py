@@ -83,7 +83,7 @@ def simulate_step(layout, step, kit) -> StepCost:
             f, b = C.module_fb(fl, tk, k, sh[k], sh[k].layers, lay[k]["tp"], cluster, rc, calls,
                                cp=lay[k]["cp"], cp_comm=comm)
             share = C.tp_busy(k, lay[k]["tp"], cluster, lay[k]["cp"])
-            t[k] = (host.lockstep(f, mp[k], P, cluster, share), host.lockstep(b, mp[k], P, cluster, share))
+            t[k] = (host.lockstep(f, mp[k], P, cluster, share, k), host.lockstep(b, mp[k], P, cluster, share, k))
             busy += mp[k] * float(f.sum() + b.sum())
         # the encoder's output: each rank its rows' canvas, or its images' tokens when spread
         canvas = regroup(spread["encoder"] / w.encoder.token_merge ** 2 * hb if "encoder" in spread
