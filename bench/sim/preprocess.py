@@ -45,7 +45,8 @@ def with_preprocess(cluster: Cluster, workload: str, root=None) -> Cluster:
             continue
         if profile.get("data"):
             where = f"{_shown(path)} ({profile['hardware']['name']}, {profile['date']})"
-            return replace(cluster, preprocess=profile["data"], preprocess_source=f"measured on this machine's cores: {where}")
+            return replace(cluster, preprocess=profile["data"],
+                           preprocess_source=f"measured on this machine's cores: {where}")
     return cluster
 
 

@@ -25,8 +25,9 @@ def simulate_step(layout, step, kit) -> StepCost:
     encoder bwd), ranks in lockstep. A regroup moves a boundary tensor from one module's layout to
     the next's: with the trainers' own order (validation) as this runtime does it, an all-gather over
     the world (priced as measured with that many processes where a CPU profile has it:
-    costs.world_all_gather; the ring model over 2-process fits priced it 2-3x lower); at scale as megatron-core's bridge communicators do (arXiv 2605.27678: activations
-    materialized in the destination layout, gradients routed back), point to point, each rank
+    costs.world_all_gather; the ring model over 2-process fits priced it 2-3x lower); at scale
+    as megatron-core's bridge communicators do (arXiv 2605.27678: activations materialized in
+    the destination layout, gradients routed back), point to point, each rank
     receiving what its rows need from the max(1, dp_from / dp_to) ranks that hold it. A
     context-parallel backbone (TP x CP x DP = P) runs 1/cp of each of its sequences per rank
     (bench.sim.context); the encoder and generator, TP x DP = P, have no CP. With the trainers' own
