@@ -12,8 +12,9 @@ And two TP-2 groups side by side (4 processes; the colocated DistTrain runs' bac
 against one alone: each rank of a pair waits at every collective for the other, and with two
 busy processes per core its partner is often off-core then. The processor-sharing schedule,
 which hands a waiting rank's core to the others, put two groups at 1.82-1.85x one alone from the
-5 Dec early sweep's profiles; measured (diagnostic, 5 rounds): 1.94x on the backbone. The
-simulator reads the measured slowdown where a run has that arrangement (Cluster.tp_side_by_side).
+5 Dec early sweep's profiles; measured (diagnostic, 5 rounds): 1.94x on the backbone, and
+1.76-1.92x in the 5 Dec morning sweep's profiles. The simulator reads the measured slowdown where
+a run has that arrangement (Cluster.side_by_side).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
 at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
