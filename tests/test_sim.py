@@ -307,17 +307,27 @@ def test_a_cpu_profile_splits_forward_and_backward_as_it_measured_them():
     assert f / (f + b) == pytest.approx(1 / 3)
 
 
-def test_a_world_all_gather_is_read_from_the_collective_measured_at_that_many_processes():
+def test_a_collective_is_read_as_measured_at_its_arrangement_else_extrapolated_else_a_ring():
+    """One rule for every collective (costs.collective_time): the DP syncs and colocated DistTrain's
+    world all-gathers both read the arrangement measured with that many processes."""
     from dataclasses import replace
     cl = _cpu_cluster(processes=4, cores=2)
-    ring = C.world_all_gather(1000.0, 4, False, cl)
     bw, lat = C.link(cl, False)
-    assert ring == pytest.approx(3 * (1000.0 / bw + lat))             # never measured at 4/4: the ring model
-    host = dict(cl.host, dp_sync={**(cl.host["dp_sync"] or {}),
-                                  "4/4": {"all_gather": {"latency_s": 0.004, "s_per_byte": 2e-9}}})
-    measured = replace(cl, host=host)
-    assert C.world_all_gather(1000.0, 4, False, measured) == pytest.approx(0.004 + 4000 * 2e-9)
-    assert C.world_all_gather(1000.0, 2, False, measured) == pytest.approx(C.world_all_gather(1000.0, 2, False, cl))
+    # no DP collectives measured: a ring over the link, (P - 1) steps of one rank's share each
+    assert C.collective_time("all_gather", 4000.0, 4, False, cl, ranks=4) == pytest.approx(3 * (1000.0 / bw + lat))
+    pair = {"latency_s": 0.001, "s_per_byte": 1e-9}
+    two = replace(cl, host=dict(cl.host, dp_sync={"2/2": {"all_gather": pair}}))
+    # only the 2-rank pair: extrapolated by the ring model and slowed like host work
+    assert C.collective_time("all_gather", 4000.0, 4, False, two, ranks=4) == pytest.approx(
+        cl.host_slowdown * (3 * 0.001 + 4000 * 1e-9 * 2 * 3 / 4))
+    four = replace(cl, host=dict(cl.host, dp_sync={"2/2": {"all_gather": pair},
+                                                   "4/4": {"all_gather": {"latency_s": 0.004, "s_per_byte": 2e-9},
+                                                           "reduce_scatter": {"latency_s": 0.006, "s_per_byte": 3e-9}}}))
+    assert C.collective_time("all_gather", 4000.0, 4, False, four, ranks=4) == pytest.approx(0.004 + 4000 * 2e-9)
+    # and DP syncs go through the same rule: a 4-rank DP group at 4 processes reads "4/4"
+    params = 1000.0 / max(C.GRAD_BYTES, cl.value_bytes)
+    assert C.dp_sync_parts(params, 4, False, four, ranks=4, gradient="reduce_scatter") == (
+        pytest.approx(0.006 + 1000 * 3e-9), pytest.approx(0.004 + 1000 * 2e-9))
 
 
 def test_measured_tp_speedup_replaces_the_tp_model_on_cpu():

@@ -281,42 +281,40 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
     At dp = 1 with a CPU profile that timed it (optimizer "grad_sync_dp1"), Megatron's
     finish_grad_sync over the group of one (a copy); older profiles count it in the optimizer step.
     On a CPU profile (cluster.host["dp_sync"]) each is read from the collective measured with
-    `ranks` processes (default: all of the run's) in groups of `dp` all at once
-    (bench/profile/dp_groups.py); an arrangement never measured is extrapolated from the 2-rank
-    group by the ring model and slowed like host work. bench.sim.overlap says how much hides."""
+    `ranks` processes (default: all of the run's) in groups of `dp` all at once (collective_time).
+    bench.sim.overlap says how much hides."""
     if gradient not in ("reduce_scatter", "allreduce"):
         raise ValueError(f"gradient reduction {gradient!r}; choose reduce_scatter or allreduce")
     nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
-    measured = (cluster.host or {}).get("dp_sync")
     alone = ((cluster.host or {}).get("optimizer") or {}).get("grad_sync_dp1")
     if alone and int(dp) == 1 and gradient == "reduce_scatter":
         # megatron's reduce-scatter over a group of one still copies the buffer (bench.profile.measure)
         params = np.asarray(params_per_gpu, dtype=np.float64)
         return cluster.host_slowdown * (alone["fixed_s"] + alone["s_per_param"] * params), np.zeros_like(params)
+    return tuple(collective_time(kind, nbytes, dp, spans_nodes, cluster, ranks=ranks)
+                 for kind in (gradient, "all_gather"))
+
+
+def collective_time(kind: str, nbytes, group, spans_nodes, cluster: Cluster, *, ranks: int | None = None):
+    """Seconds of one `kind` collective ("reduce_scatter", "all_gather", "allreduce") of `nbytes`
+    in total (the whole buffer) over a group of `group` ranks. On a CPU profile
+    (cluster.host["dp_sync"]) as measured with `ranks` processes (default: all of the run's) in
+    groups of `group` all at once (bench/profile/dp_groups.py); an arrangement never measured is
+    extrapolated from the 2-rank group by the ring model and slowed like host work. Elsewhere a
+    ring over the cluster's link."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    measured = (cluster.host or {}).get("dp_sync")
     if measured:
-        ranks = int(round(ranks or cluster.host.get("processes") or dp))    # a float from an array must find "2/2"
-        at = measured.get(f"{ranks}/{int(dp)}")
+        ranks = int(round(ranks or cluster.host.get("processes") or group))   # a float from an array must find "2/2"
+        at = measured.get(f"{ranks}/{int(group)}")
         if at:
-            return tuple(at[k]["latency_s"] + nbytes * at[k]["s_per_byte"] for k in (gradient, "all_gather"))
-        pair = measured["2/2"]
+            return at[kind]["latency_s"] + nbytes * at[kind]["s_per_byte"]
+        pair = measured["2/2"][kind]
         # a 2-rank ring moves 1/2 of the buffer per rank in 1 step; dp ranks (dp-1)/dp in dp-1 steps
-        return tuple(cluster.host_slowdown * (pair[k]["latency_s"] * (dp - 1)
-                                              + nbytes * pair[k]["s_per_byte"] * 2 * (dp - 1) / dp)
-                     for k in (gradient, "all_gather"))
+        return cluster.host_slowdown * (pair["latency_s"] * (group - 1)
+                                        + nbytes * pair["s_per_byte"] * 2 * (group - 1) / group)
     bw, lat = link(cluster, spans_nodes)
-    grad = ring_allreduce(nbytes, dp, bw, lat) if gradient == "allreduce" else ring_shard(nbytes, dp, bw, lat)
-    return grad, ring_shard(nbytes, dp, bw, lat)
-
-
-def world_all_gather(per_rank_bytes, ranks: int, spans_nodes, cluster: Cluster) -> float:
-    """Seconds of an all-gather over `ranks` ranks, each contributing `per_rank_bytes`: as measured
-    on this CPU with that many processes in one group (bench/profile/dp_groups.py "ranks/ranks",
-    fitted on the gathered buffer's bytes), else a ring over the cluster's link."""
-    at = (((cluster.host or {}).get("dp_sync") or {}).get(f"{ranks}/{ranks}") or {}).get("all_gather")
-    if at:
-        return float(at["latency_s"] + per_rank_bytes * ranks * at["s_per_byte"])
-    bw, lat = link(cluster, spans_nodes)
-    return float((ranks - 1) * (per_rank_bytes / bw + lat))
+    return ring_allreduce(nbytes, group, bw, lat) if kind == "allreduce" else ring_shard(nbytes, group, bw, lat)
 
 
 def zero3_microbatch_comm(params, dp, spans_nodes, cluster: Cluster):

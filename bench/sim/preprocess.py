@@ -17,6 +17,7 @@ Disaggregated preprocessing (DistTrain's workers) reports data_s = 0 on GPU clus
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from bench.sim.cluster import Cluster
 
@@ -53,7 +54,6 @@ def with_preprocess(cluster: Cluster, workload: str, root=None) -> Cluster:
 def _shown(path) -> str:
     """`path` relative to the working directory where it lies below it, else its file name: a
     record names the profile it read without the user's home directory in it."""
-    from pathlib import Path
     path = Path(path).resolve()
     try:
         return str(path.relative_to(Path.cwd().resolve()))

@@ -25,7 +25,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     encoder bwd), ranks in lockstep. A regroup moves a boundary tensor from one module's layout to
     the next's: with the trainers' own order (validation) as this runtime does it, an all-gather over
     the world (priced as measured with that many processes where a CPU profile has it:
-    costs.world_all_gather; the ring model over 2-process fits priced it 2-3x lower); at scale
+    costs.collective_time; the ring model over 2-process fits priced it 2-3x lower); at scale
     as megatron-core's bridge communicators do (arXiv 2605.27678: activations materialized in
     the destination layout, gradients routed back), point to point, each rank
     receiving what its rows need from the max(1, dp_from / dp_to) ranks that hold it. A
@@ -59,7 +59,8 @@ def simulate_step(layout, step, kit) -> StepCost:
         if P == 1:
             return 0.0
         if rd is not None:                   # this runtime: an all-gather over the world
-            return C.world_all_gather(per_rank_elems * cluster.value_bytes, P, P > cluster.gpus_per_node, cluster)
+            return float(C.collective_time("all_gather", per_rank_elems * cluster.value_bytes * P, P,
+                                           P > cluster.gpus_per_node, cluster, ranks=P))
         fan_in = max(1, -(-lay[src]["dp"] // lay[dst]["dp"]))
         return float(per_rank_elems * fan_in * cluster.value_bytes / bw + fan_in * lat)
     total, busy, first = 0.0, 0.0, []
