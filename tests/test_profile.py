@@ -212,6 +212,46 @@ def test_tp_groups_side_by_side_are_the_slowest_rank_over_the_pair_alone_each_ro
     assert "side_by_side" not in tp_speedups(pair, alone)["backbone"]        # not measured: absent
 
 
+def test_a_synchronized_pass_waits_at_every_modules_forward_and_backward_end_inside_their_times():
+    """The side-by-side TP pairs wait for each other where colocated ranks do (bench.profile.tp):
+    run_pass calls `sync` after each forward and each backward, and the wait counts in that time."""
+    import torch
+    from bench.profile.measure import run_pass
+
+    class Clock:                     # a timer that only the sync advances
+        t = 0.0
+
+        def now(self):
+            return self.t
+
+    class Module(torch.nn.Module):
+        def __init__(self, outputs: int):
+            super().__init__()
+            self.w, self.outputs = torch.nn.Parameter(torch.ones(2)), outputs
+
+        def zero_grad_buffer(self):
+            pass
+
+        def forward(self, mb, x=None):
+            y = self.w * (1.0 if x is None else x.sum())
+            return (y, y * 2) if self.outputs == 2 else y
+
+    clock, calls = Clock(), []
+
+    def sync():
+        calls.append(1)
+        clock.t += 1.0
+    built = {n: (None, Module(2 if n == "backbone" else 1), None) for n in MODULES}
+    rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+    run_pass(built, None, clock, rec, sync=sync)
+    assert len(calls) == 2 * len(MODULES)
+    assert all(rec[n]["fwd"] == [1.0] and rec[n]["bwd"] == [1.0] for n in MODULES)
+    rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+    run_pass(built, None, clock, rec)                       # alone: no waits
+    assert len(calls) == 2 * len(MODULES) and all(rec[n]["fwd"] == [0.0] for n in MODULES)
+    assert all(m.w.grad is not None for _, m, _ in built.values())
+
+
 def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():
     from bench.profile.tp import corun_slowdowns
     # 2 cores: rank 0 alone, ranks 0-1 together, ranks 0-3 two per core; round 2 is a slow stretch

@@ -111,10 +111,12 @@ def build_modules(w, device, dtype, seed, tp: int = 1) -> dict:
     return {n: _build(n, w, pg, dtype, device, seed, tp) for n in MODULES}
 
 
-def run_pass(built: dict, mb, timer, record=None, memory=None) -> None:
+def run_pass(built: dict, mb, timer, record=None, memory=None, sync=None) -> None:
     """One microbatch through encoder -> backbone -> generator, forward and backward, each module's
     input detached (as between ranks); `record`: per module, append forward / backward seconds and
-    the process's CPU seconds; `memory`: per module, the bytes autograd saved for backward."""
+    the process's CPU seconds; `memory`: per module, the bytes autograd saved for backward; `sync`:
+    called at the end of each module's forward and of its backward, inside their times (processes
+    that wait there for each other, as colocated ranks do at every module boundary)."""
     import torch
     for name in MODULES:
         _, model, _ = built[name]
@@ -141,9 +143,13 @@ def run_pass(built: dict, mb, timer, record=None, memory=None) -> None:
                 cond_in = cond.detach()
             else:
                 loss = model(mb, cond_in).sum()
+        if sync is not None:
+            sync()
         t1 = timer.now()
         if loss.requires_grad:
             loss.backward()
+        if sync is not None:
+            sync()
         t2, c2 = timer.now(), time.process_time()
         if record is not None:
             record[name]["fwd"].append(t1 - t0)

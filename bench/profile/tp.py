@@ -8,13 +8,20 @@ collective. Measured on the 2-core machine this project runs on (small-enc-heavy
 encoder ran *slower* at TP 2 than at TP 1. So the simulator's
 measured-CPU cluster takes the speedup measured here (TP-1 seconds / TP-2 seconds per module,
 collectives included) instead of FLOPs / 2 plus modelled collectives (bench.sim.costs.module_fb).
-And two TP-2 groups side by side (4 processes; the colocated DistTrain runs' backbone at 2 cores),
-against one alone: each rank of a pair waits at every collective for the other, and with two
-busy processes per core its partner is often off-core then. The processor-sharing schedule,
+And two TP-2 groups side by side (4 processes; the colocated DistTrain runs' backbone at 2
+cores), against one alone: each rank of a pair waits at every collective for the other, and with
+two busy processes per core its partner is often off-core then. The processor-sharing schedule,
 which hands a waiting rank's core to the others, put two groups at 1.82-1.85x one alone from the
 5 Dec early sweep's profiles; measured (diagnostic, 5 rounds): 1.94x on the backbone, and
-1.76-1.92x in the 5 Dec morning sweep's profiles. The simulator reads the measured slowdown where
-a run has that arrangement (Cluster.side_by_side).
+1.76-1.92x and 1.84-1.92x in the profiles of the 5 Dec 04:22 and 06:41 sweeps, with the pairs
+running free. The colocated runs' pairs do not run free: every module boundary is an all-gather
+over all ranks, so each forward and each backward ends when the slower pair's does, and the pair
+the scheduler favoured waits. So the pairs now wait for each other at the end of every module's
+forward and backward (a store barrier, using no core while waiting). Measured both ways in the
+same nine rounds right after the 5 Dec 06:41 sweep (small's backbone): 2.01x synchronized, 1.96x
+free; the median of the rounds' own ratios 1.00. So the waits cost little, and the ~10% by which
+colocated small's schedule still reads under its runs lies elsewhere. The simulator reads the
+measured slowdown where a run has that arrangement (Cluster.side_by_side).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
 at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
@@ -35,6 +42,7 @@ the sweep.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -81,8 +89,9 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
     """Ranks 0 and 1 form one TP-2 group; rank 2 runs the same modules at TP 1, a world of its own;
     ranks 3 and 4 form a second TP-2 group. They take turns, TP_ROUNDS times: a pass of rank 2
     over the microbatches while the others wait at a store barrier (using no core), a pass of the
-    first pair, then a pass of both pairs side by side. Per pass and module: forward + backward
-    wall seconds and the process's CPU seconds (gloo's threads too)."""
+    first pair, then a pass of both pairs side by side, waiting for each other at the end of every
+    module's forward and backward. Per pass and module: forward + backward wall seconds (the
+    waits included) and the process's CPU seconds (gloo's threads too)."""
     import torch
     import torch.distributed as dist
     from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
@@ -111,8 +120,12 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
             if not runs:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+            syncs = itertools.count()
+            # side by side, the pairs wait for each other at every module's forward and backward end,
+            # as colocated ranks do at their boundary all-gathers
+            sync = (lambda: _barrier(store, 2 * TP, f"phase{i}/{next(syncs)}")) if phase == "side" else None
             for mb in batches:
-                run_pass(built, mb, timer, rec)
+                run_pass(built, mb, timer, rec, sync=sync)
             (side if phase == "side" else passes).append(
                 {n: {"wall": sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]), "cpu": sum(rec[n]["cpu"])} for n in MODULES})
         # Leave together: the TP-1 process, done after the last round's TP-1 pass, exited during the
@@ -130,7 +143,8 @@ def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]
     "speedup" the median over the rounds of each round's TP-1 seconds / TP-2 seconds (the slower
     rank's: the pair is in lockstep), "rounds" those ratios, "seconds" and "tp1_seconds" medians,
     "cpu_seconds" each TP rank's over all rounds, "busy" the TP ranks' CPU / wall seconds (mean).
-    With `side` (every rank's passes of both pairs side by side, one per round): "side_by_side"
+    With `side` (every rank's passes of both pairs side by side, synchronized at each module's
+    forward and backward end, one per round): "side_by_side"
     the median over the rounds of the slowest rank's seconds there / the pair's alone that round,
     "side_by_side_rounds" those ratios."""
     rows = {}
@@ -174,7 +188,8 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
                        f"an hour apart); speedup = the median of each round's TP-1 / TP-2 wall seconds, "
                        f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged; "
                        f"side_by_side = the median of each round's slowest rank with two TP-{TP} groups running at "
-                       f"once ({2 * TP} processes) / the first group's seconds alone that round")}
+                       f"once ({2 * TP} processes, waiting for each other at the end of every module's forward "
+                       f"and backward, as colocated ranks do) / the first group's seconds alone that round")}
 
 
 class _ThreadTimer(Timer):
