@@ -112,6 +112,19 @@ def test_gc_clock_times_collections_and_counts_full_ones():
     assert clock.seconds == before                  # closed: no longer counting
 
 
+def test_outside_load_is_the_machines_busy_time_less_the_runs_steal_included():
+    from types import SimpleNamespace
+    times = lambda user, steal: SimpleNamespace(user=user, system=0.5, nice=0.0, irq=0.0, softirq=0.0, steal=steal)
+    assert machine._busy(times(1.0, 0.25)) == 1.75           # the hypervisor's steal is someone else's work
+    start = machine.CpuSnapshot(wall_s=10.0, machine_busy_s=100.0, run_s=5.0, cpus=2)
+    end = machine.CpuSnapshot(wall_s=12.0, machine_busy_s=104.0, run_s=8.5, cpus=2)
+    out = machine.outside_load(start, end)                   # 4 s busy, 3.5 of them the run's
+    assert out["outside_cpu_s"] == 0.5 and out["outside_cpu_share"] == 0.5 / (2.0 * 2)
+    assert out["busy_machine"] is True and out["machine_cpus"] == 2
+    quiet = machine.outside_load(start, machine.CpuSnapshot(12.0, 103.6, 8.5, 2))
+    assert quiet["outside_cpu_share"] == pytest.approx(0.1 / 4) and quiet["busy_machine"] is False
+
+
 def test_thread_times_count_this_process_on_a_cpu():
     before = machine.thread_times()
     if before is None:

@@ -5,7 +5,9 @@ record that says how busy the machine was lets the report flag runs measured on 
 instead of mistaking the noise for an effect. The run's processes are the process that
 launched it (`bench run`, its pid in BENCH_RUN_ROOT_PID) and all its descendants: torchrun, the
 ranks, disaggregated preprocessing workers. Outside = the machine's busy CPU time (psutil's
-system-wide counters: /proc/stat on Linux) minus the run's own, over the measured steps.
+system-wide counters: /proc/stat on Linux) minus the run's own, over the measured steps. The busy
+time includes "steal", the time the hypervisor ran something else on this VM's virtual CPUs: a
+tenant outside the guest is as much a neighbour as a process inside it.
 """
 from __future__ import annotations
 
