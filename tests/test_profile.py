@@ -59,6 +59,8 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
         assert 0 < tp[n]["busy"] <= 1 and len(tp[n]["cpu_seconds"]) == 2     # each rank's share on a core
         # two TP-2 groups at once against the first alone
         assert len(tp[n]["side_by_side_rounds"]) == TP_ROUNDS and tp[n]["side_by_side"] > 0
+        # and with the modules chained, one backward (as Megatron's step runs them)
+        assert len(tp[n]["joint_rounds"]) == TP_ROUNDS and tp[n]["joint_speedup"] > 0
     assert p["tp"]["side_by_side_groups"] == 2
     corun = p["corun"]                                       # the modules on every core at once
     assert corun["processes"] == min(os.cpu_count(), 8) and corun["seconds"] > 0 and corun["slowdown"] >= 1.0
@@ -210,6 +212,13 @@ def test_tp_groups_side_by_side_are_the_slowest_rank_over_the_pair_alone_each_ro
     for n in MODULES:
         assert rows[n]["side_by_side_rounds"] == pytest.approx([2.0, 2.0, 2.1]) and rows[n]["side_by_side"] == 2.0
     assert "side_by_side" not in tp_speedups(pair, alone)["backbone"]        # not measured: absent
+    # chained passes, timed in two more phases of each round: the same ratio, kept apart
+    rows = tp_speedups(pair, alone, side, [[one(0.8), one(1.2), one(1.0)], [one(0.8), one(1.25), one(0.9)]],
+                       [one(2.0), one(3.0), one(2.2)])
+    for n in MODULES:
+        assert rows[n]["joint_rounds"] == pytest.approx([2.5, 2.4, 2.2]) and rows[n]["joint_speedup"] == 2.4
+        assert rows[n]["speedup"] == pytest.approx(2.0)                  # the module-by-module one unchanged
+    assert "joint_speedup" not in tp_speedups(pair, alone, side)["backbone"]
 
 
 def test_a_synchronized_pass_waits_at_every_modules_forward_and_backward_end_inside_their_times():
@@ -250,6 +259,53 @@ def test_a_synchronized_pass_waits_at_every_modules_forward_and_backward_end_ins
     run_pass(built, None, clock, rec)                       # alone: no waits
     assert len(calls) == 2 * len(MODULES) and all(rec[n]["fwd"] == [0.0] for n in MODULES)
     assert all(m.w.grad is not None for _, m, _ in built.values())
+
+
+def test_a_joint_pass_chains_the_modules_and_splits_its_one_backward_at_their_boundaries():
+    """run_joint_pass: the three forwards chained, one backward; each module's backward is timed from
+    the gradient reaching its output's consumer to its input (a clock that only the modules advance)."""
+    import torch
+    from bench.profile.measure import run_joint_pass
+
+    class Clock:
+        t = 0.0
+
+        def now(self):
+            return self.t
+    clock = Clock()
+
+    class Tick(torch.autograd.Function):         # advances the clock in the backward by `cost`
+        @staticmethod
+        def forward(ctx, x, cost):
+            ctx.cost = cost
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock.t += ctx.cost
+            return grad, None
+
+    class Module(torch.nn.Module):
+        def __init__(self, fwd: float, bwd: float, outputs: int):
+            super().__init__()
+            self.w, self.fwd, self.bwd, self.outputs = torch.nn.Parameter(torch.ones(2)), fwd, bwd, outputs
+            self.calls = 0
+
+        def zero_grad_buffer(self):
+            pass
+
+        def forward(self, mb, x=None):
+            clock.t += self.fwd
+            self.calls += 1
+            y = Tick.apply(self.w * (1.0 if x is None else x.sum()), self.bwd)
+            return (y, y * 2) if self.outputs == 2 else y
+    built = {"encoder": (None, Module(1.0, 10.0, 1), None), "backbone": (None, Module(2.0, 20.0, 2), None),
+             "generator": (None, Module(3.0, 30.0, 1), None)}
+    rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+    run_joint_pass(built, None, clock, rec)
+    assert {n: (rec[n]["fwd"], rec[n]["bwd"]) for n in MODULES} == {
+        "encoder": ([1.0], [10.0]), "backbone": ([2.0], [20.0]), "generator": ([3.0], [30.0])}
+    assert all(m.calls == 1 and m.w.grad is not None for _, m, _ in built.values())      # one chained pass
 
 
 def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():

@@ -424,6 +424,33 @@ def test_two_tp_groups_side_by_side_take_the_measured_slowdown_where_that_was_me
     assert slow > base
 
 
+def test_a_monolithic_step_takes_the_tp_speedup_measured_with_its_modules_chained():
+    """Megatron chains the modules and runs one backward (bench.profile.measure.run_joint_pass):
+    costs.module_fb(joint=True) prices TP 2 at the profile's "joint_speedup"; module by module (DistTrain)
+    and profiles without it keep "speedup"; Megatron's simulated TP-2 step gets faster with it."""
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+
+    def cluster(joint=None):
+        prof = synthetic_profile()
+        prof["tp"] = {"2": {n: {"seconds": 1.0, "tp1_seconds": 1.2, "speedup": 1.2, "busy": 0.9,
+                                **({} if joint is None else {"joint_speedup": joint})}
+                            for n in ("encoder", "backbone", "generator")}}
+        return cluster_from_profile(prof, processes=2, cores=2)
+    old, chained = cluster(), cluster(1.5)
+    assert chained.tp_speedup_joint["backbone"] == {2: 1.5} and old.tp_speedup_joint["backbone"] == {}
+    shape = C.module_shapes(get_workload("small"))["backbone"]
+    args = (1e9, 384.0, "backbone", shape, shape.layers, 2)
+    one_by_one = C.module_fb(*args, chained)
+    joint = C.module_fb(*args, chained, joint=True)
+    assert sum(joint) == pytest.approx(sum(one_by_one) * 1.2 / 1.5)
+    assert C.module_fb(*args, old, joint=True) == pytest.approx(one_by_one)        # not measured: one by one
+    kw = dict(num_batches=1, data_order="none", global_batch_size=16, micro_batch_size=2)
+    lay = {"tp": 2, "pp": 1, "dp": 1}
+    fast, base = (simulate("small", "megatron", lay, 2, c, **kw)["iteration_time_s"] for c in (chained, old))
+    assert fast < base
+
+
 def test_bridge_transfers_are_work_on_both_sides_of_each_module_boundary():
     """A measured bridge transfer (bench.profile.bridge) costs each side cpu_s of work; the rest of
     its wall time is transit. Counts per rank: fan-in enc:1x2 -> llm:1x1x1 -> gen:1x1 puts 2

@@ -23,6 +23,17 @@ free; the median of the rounds' own ratios 1.00. So the waits cost little, and t
 colocated small's schedule still reads under its runs lies elsewhere. The simulator reads the
 measured slowdown where a run has that arrangement (Cluster.side_by_side).
 
+A TP-2 module is also timed the way a monolithic step runs it: Megatron chains the three
+modules' forwards and runs one backward through them, where the passes above run each module on
+its own with a detached input, as DistTrain's ranks do. On small-enc-heavy (5 Dec) every
+module's TP-2 speedup read higher chained: in two diagnostics of seven rounds over 8
+microbatches by 6-14% (encoder 0.90 against 0.85, backbone 1.24 against 1.13, generator 0.45
+against 0.40; the whole chained pass at TP 2 took 0.91-0.93x the module-by-module one, at TP 1
+1.01x), and in this profile's own rounds by 2-7% (0.80 / 0.78, 1.15 / 1.13, 0.43 / 0.40). So
+each round also times both chained ("joint_speedup"), and the simulator gives a monolithic step
+those (costs.module_fb(joint=True)). It explains a little of Megatron's TP-2 miss on
+small-enc-heavy: simulated 7-18% too slow in the last two sweeps, 3 points less with these speedups.
+
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
 at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
 share caches and memory bandwidth (on a VM, possibly a physical core), and with every core busy
@@ -73,7 +84,8 @@ CORUN_PASS_S = 1.0
 # co-run's): each timed apart from the other, minutes apart, drifted with the machine. A TP-2
 # pair in lockstep stalls whenever either rank loses its core, so its rounds scatter more than
 # one process's: small-enc-heavy's encoder read 0.62-0.99 over five rounds of one profile (4 Dec),
-# a median of five moving by ~0.1 from profile to profile. Nine rounds, ~3 s each there.
+# a median of five moving by ~0.1 from profile to profile. Nine rounds, ~3 s each there
+# (five phases each, since the chained passes: ~40 s in all for small-enc-heavy).
 TP_ROUNDS = 9
 
 
@@ -94,7 +106,7 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
     waits included) and the process's CPU seconds (gloo's threads too)."""
     import torch
     import torch.distributed as dist
-    from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
+    from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_joint_pass, run_pass
     from workloads.presets import get_workload
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, PROCESSES, rank == 0)
@@ -107,19 +119,24 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cpu")
     teardown = init_single_process(dev, tp=tp)
-    passes, side = [], []
+    passes, side, joint = [], [], []
     try:
         w = get_workload(workload, data_profile)
         batches, *_ = load_microbatches(w, seed, w.micro_batch_size, microbatches, Path(data_root), num_samples)
         built, timer = build_modules(w, dev, torch.float32, seed, tp), Timer(dev)
         for mb in batches:                       # warm-up (allocator, lazy inits)
             run_pass(built, mb, timer)
-        for i, phase in enumerate(["tp1", "pair", "side"] * TP_ROUNDS):
+        for i, phase in enumerate(["tp1", "pair", "side", "tp1 joint", "pair joint"] * TP_ROUNDS):
             _barrier(store, PROCESSES, f"phase{i}")
-            runs = {"tp1": group is None, "pair": group == "a", "side": group is not None}[phase]
+            runs = {"tp1": group is None, "pair": group == "a", "side": group is not None}[phase.split()[0]]
             if not runs:
                 continue
             rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
+            if phase.endswith("joint"):          # the modules chained, one backward: as Megatron runs a microbatch
+                for mb in batches:
+                    run_joint_pass(built, mb, timer, rec)
+                joint.append({n: {"wall": sum(rec[n]["fwd"]) + sum(rec[n]["bwd"])} for n in MODULES})
+                continue
             syncs = itertools.count()
             # side by side, the pairs wait for each other at every module's forward and backward end,
             # as colocated ranks do at their boundary all-gathers
@@ -132,29 +149,34 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
         # pair's last pass (interpreter teardown on a core they needed), and that round's ratio read
         # low in all ten module rows of five profiles on 4 Dec (encoder 0.49-0.56, the others 0.61-0.97).
         _barrier(store, PROCESSES, "done")
-        Path(f"{out_file}.{rank}").write_text(json.dumps({"passes": passes, "side": side}))
+        Path(f"{out_file}.{rank}").write_text(json.dumps({"passes": passes, "side": side, "joint": joint}))
     finally:
         teardown()
         dist.destroy_process_group()
 
 
-def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]] | None = None) -> dict:
+def _lockstep_ratios(pair: list[list[dict]], alone: list[dict], module: str) -> tuple[list[float], list[float]]:
+    """Per round: the pair's seconds (the slower rank's: the pair is in lockstep) and TP-1 / TP-2."""
+    t2 = [max(rank[i][module]["wall"] for rank in pair) for i in range(len(alone))]
+    t1 = [a[module]["wall"] for a in alone]
+    return t2, [a / b for a, b in zip(t1, t2) if a > 0 and b > 0] or [1.0]
+
+
+def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]] | None = None,
+                pair_joint: list[list[dict]] | None = None, alone_joint: list[dict] | None = None) -> dict:
     """Per module, from the TP-2 ranks' passes and the TP-1 process's (one per round, _tp_worker):
     "speedup" the median over the rounds of each round's TP-1 seconds / TP-2 seconds (the slower
     rank's: the pair is in lockstep), "rounds" those ratios, "seconds" and "tp1_seconds" medians,
     "cpu_seconds" each TP rank's over all rounds, "busy" the TP ranks' CPU / wall seconds (mean).
     With `side` (every rank's passes of both pairs side by side, synchronized at each module's
-    forward and backward end, one per round): "side_by_side"
-    the median over the rounds of the slowest rank's seconds there / the pair's alone that round,
-    "side_by_side_rounds" those ratios."""
+    forward and backward end, one per round): "side_by_side" the median over the rounds of the
+    slowest rank's seconds there / the pair's alone that round, "side_by_side_rounds" those ratios.
+    With the joint passes (bench.profile.measure.run_joint_pass, one per round): "joint_speedup"
+    and "joint_rounds", the same speedup with the modules chained as a monolithic step runs them."""
     rows = {}
     for n in MODULES:
-        t2 = [max(rank[i][n]["wall"] for rank in pair) for i in range(len(alone))]
-        if side:
-            both = [max(rank[i][n]["wall"] for rank in side) for i in range(len(alone))]
-            slow = [b / a for a, b in zip(t2, both) if a > 0 and b > 0] or [1.0]
+        t2, ratios = _lockstep_ratios(pair, alone, n)
         t1 = [a[n]["wall"] for a in alone]
-        ratios = [a / b for a, b in zip(t1, t2) if a > 0 and b > 0] or [1.0]
         shares = [min(1.0, sum(p[n]["cpu"] for p in rank) / wall)
                   for rank in pair if (wall := sum(p[n]["wall"] for p in rank)) > 0]
         rows[n] = {"seconds": statistics.median(t2), "tp1_seconds": statistics.median(t1),
@@ -162,7 +184,12 @@ def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]
                    "cpu_seconds": [float(sum(p[n]["cpu"] for p in rank)) for rank in pair],
                    "busy": float(statistics.mean(shares)) if shares else 1.0}
         if side:
+            both = [max(rank[i][n]["wall"] for rank in side) for i in range(len(alone))]
+            slow = [b / a for a, b in zip(t2, both) if a > 0 and b > 0] or [1.0]
             rows[n].update(side_by_side=statistics.median(slow), side_by_side_rounds=slow)
+        if pair_joint and alone_joint:
+            _, joint = _lockstep_ratios(pair_joint, alone_joint, n)
+            rows[n].update(joint_speedup=statistics.median(joint), joint_rounds=joint)
     return rows
 
 
@@ -180,7 +207,8 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(PROCESSES)]
     pairs = [r for r in range(PROCESSES) if r != TP]
     return {str(TP): tp_speedups([raw[r]["passes"] for r in range(TP)], raw[TP]["passes"],
-                                 [raw[r]["side"] for r in pairs]), "processes": TP, "side_by_side_groups": 2,
+                                 [raw[r]["side"] for r in pairs], [raw[r]["joint"] for r in range(TP)],
+                                 raw[TP]["joint"]), "processes": TP, "side_by_side_groups": 2,
             "method": (f"each module's forward + backward over {count} microbatches at TP {TP} (megatron-core, "
                        f"gloo, {TP} local processes, one thread each) and at TP 1 (a third process), in "
                        f"{TP_ROUNDS} rounds of alternating passes seconds apart (the machine's speed drifts: "
@@ -189,7 +217,9 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
                        f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged; "
                        f"side_by_side = the median of each round's slowest rank with two TP-{TP} groups running at "
                        f"once ({2 * TP} processes, waiting for each other at the end of every module's forward "
-                       f"and backward, as colocated ranks do) / the first group's seconds alone that round")}
+                       f"and backward, as colocated ranks do) / the first group's seconds alone that round; joint_speedup "
+                       f"= speedup with the modules chained and one backward (run_joint_pass), in two more phases "
+                       f"of each round")}
 
 
 class _ThreadTimer(Timer):

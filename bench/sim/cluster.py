@@ -103,6 +103,9 @@ class Cluster:
     # Measured TP speedup per module and TP degree (a CPU profile's "tp": TP-1 seconds / TP-t seconds,
     # collectives included; bench/profile/tp.py): replaces FLOPs / t + modelled collectives there.
     tp_speedup: dict = field(default_factory=dict)
+    # The same with the three modules chained and one backward, as a monolithic step runs them (a
+    # CPU profile's "tp" "joint_speedup"; costs.module_fb(joint=True)), per module and t.
+    tp_speedup_joint: dict = field(default_factory=dict)
     # Measured share of a TP-t rank's wall time spent on a core, per module and t (the profile's "tp"
     # "busy": process CPU seconds / wall seconds): the rest it waits at a collective for the other
     # rank, using no core. The shared-core schedule charges a TP group tp x busy cores, not tp.
@@ -359,7 +362,8 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         gemm_table=profile.get("gemm"), compute_source=f"measured: {where}",
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
         oversubscribed_slowdown=_oversubscribed(profile),
-        tp_speedup=_per_tp(profile, "speedup"), tp_busy=_per_tp(profile, "busy"),
+        tp_speedup=_per_tp(profile, "speedup"), tp_speedup_joint=_per_tp(profile, "joint_speedup"),
+        tp_busy=_per_tp(profile, "busy"),
         tp_side_by_side=_per_tp(profile, "side_by_side"),
         bridge=comm.get("bridge"), handoff=comm.get("handoff"),
         host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,

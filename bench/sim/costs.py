@@ -229,12 +229,16 @@ def tp_comm_fb(tokens, hidden: int, layers: int, tp: int, cluster: Cluster, reco
 
 
 def module_fb(flops, tokens, module: str, shape: ModuleShape, layers: int, tp: int, cluster: Cluster,
-              recompute: bool = False, calls=None, cp: int = 1, cp_comm: str | None = "a2a"):
+              recompute: bool = False, calls=None, cp: int = 1, cp_comm: str | None = "a2a", joint: bool = False):
     """(forward, backward) seconds of a module's `flops` over `tokens` (the whole replica's) on
     TP x CP ranks: compute, TP collectives over each rank's tokens / cp, CP communication. Where
     the cluster measured this module's TP speedup (a CPU profile), the TP-1 time / that speedup,
-    less the co-run slowdown of the group's own ranks it held (Cluster.measured_tp_contention)."""
-    speedup = cluster.tp_speedup.get(module, {}).get(tp) if cp == 1 else None
+    less the co-run slowdown of the group's own ranks it held (Cluster.measured_tp_contention);
+    `joint`: a step that chains the modules and runs one backward through them (Megatron), at
+    the speedup measured that way where the profile has it (Cluster.tp_speedup_joint)."""
+    chained = cluster.tp_speedup_joint.get(module, {}) if joint else {}
+    measured = chained if tp in chained else cluster.tp_speedup.get(module, {})     # older profiles: one by one
+    speedup = measured.get(tp) if cp == 1 else None
     if speedup:
         cf, cb = compute_fb(flops, module, 1, cluster, recompute, calls, shape=shape, tokens=tokens)
         speedup = speedup * cluster.measured_tp_contention(module, tp)

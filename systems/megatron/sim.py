@@ -49,8 +49,9 @@ def simulate_step(layout, step, kit) -> StepCost:
     seq, sp, vpp, ov = w.backbone.seq_length, L.get("sp", False), L.get("vpp", 1), L.get("overlap", False)
     V = pp * vpp                     # virtual stages: chunk c of device s is c x pp + s
     vst = [C.backbone_stage(w, V, k) for k in range(V)]
-    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc, cp=cp, cp_comm=comm)
-          for f, _, n in vst]
+    # Megatron chains the modules and runs one backward through them: its measured TP speedups are those
+    bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc, cp=cp, cp_comm=comm,
+                      joint=True) for f, _, n in vst]
     links = [float(C.p2p_time(mbs * seq, sh["backbone"].hidden, mp, cluster, mp * dp >= gpn))] * (V - 1)
     pipe, busy, first = 0.0, 0.0, None
     max_etok = max_gtok = 0.0
@@ -60,10 +61,10 @@ def simulate_step(layout, step, kit) -> StepCost:
     for mbl in per_rank:
         e_f, e_b = C.module_fb([enc[m].sum() for m in mbl], [etok[m].sum() for m in mbl], "encoder",
                                sh["encoder"], sh["encoder"].layers, tp, cluster, rc,
-                               host.module_calls(bc, "encoder", mbl, cluster))
+                               host.module_calls(bc, "encoder", mbl, cluster), joint=True)
         g_f, g_b = C.module_fb([gen[m].sum() for m in mbl], [gtok[m].sum() for m in mbl], "generator",
                                sh["generator"], sh["generator"].layers, tp, cluster, rc,
-                               host.module_calls(bc, "generator", mbl, cluster))
+                               host.module_calls(bc, "generator", mbl, cluster), joint=True)
         fwd = np.array([[f for f, _ in bb]] * len(mbl), dtype=np.float64)
         bwd = np.array([[b for _, b in bb]] * len(mbl), dtype=np.float64)
         # core-seconds of each operation: a TP rank waiting at a collective uses no core (C.tp_busy)
@@ -186,14 +187,14 @@ def _stages(w, st, cluster, kit, tp, pp, rc, sp, vpp, cp, cp_comm):
         f, p, n = C.backbone_stage(w, V, k)
         if (f, n) not in seen:                 # the chunks are equal but for the last one's logits
             seen[f, n] = C.module_fb(st.mbs * f, st.mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc,
-                                     cp=cp, cp_comm=cp_comm)
+                                     cp=cp, cp_comm=cp_comm, joint=True)
         bf, bb = seen[f, n]
         t_f[s], t_b[s], params[s] = t_f[s] + bf, t_b[s] + bb, params[s] + p
         chunk[s, c] = C.activation_bytes(st.mbs * seq / cp, sh["backbone"], n, tp, rc, sp)
     for key, k in (("encoder", 0), ("generator", V - 1)):       # whole on every CP rank
         s, c = k % pp, k // pp
         fl, tk = st.mbs * st.flops[key], st.mbs * st.tokens[key]
-        ef, eb = C.module_fb(fl, tk, key, sh[key], sh[key].layers, tp, cluster, rc)
+        ef, eb = C.module_fb(fl, tk, key, sh[key], sh[key].layers, tp, cluster, rc, joint=True)
         t_f[s], t_b[s], params[s] = t_f[s] + ef, t_b[s] + eb, params[s] + sh[key].params
         tokens = kit.estimate.memory_tokens(st, key, st.mbs)
         chunk[s, c] += C.activation_bytes(tokens, sh[key], sh[key].layers, tp, rc, sp=False)
