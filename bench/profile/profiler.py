@@ -223,6 +223,7 @@ def _measure_tp(w, *, log, **kw) -> dict | None:
         return None
     log(f"[profile]   TP {TP} speedup (TP-1 s / TP-{TP} s, gloo collectives included): " +
         ", ".join(f"{n} {out[str(TP)][n]['speedup']:.2f}" for n in MODULES)
+        + "; with the modules chained: " + ", ".join(f"{n} {out[str(TP)][n]['joint_speedup']:.2f}" for n in MODULES)
         + "; share of the time on a core: " + ", ".join(f"{n} {out[str(TP)][n]['busy']:.2f}" for n in MODULES)
         + "; two groups side by side / one alone: " + ", ".join(f"{n} {out[str(TP)][n]['side_by_side']:.2f}"
                                                                   for n in MODULES))

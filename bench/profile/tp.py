@@ -31,8 +31,9 @@ microbatches by 6-14% (encoder 0.90 against 0.85, backbone 1.24 against 1.13, ge
 against 0.40; the whole chained pass at TP 2 took 0.91-0.93x the module-by-module one, at TP 1
 1.01x), and in this profile's own rounds by 2-7% (0.80 / 0.78, 1.15 / 1.13, 0.43 / 0.40). So
 each round also times both chained ("joint_speedup"), and the simulator gives a monolithic step
-those (costs.module_fb(joint=True)). It explains a little of Megatron's TP-2 miss on
-small-enc-heavy: simulated 7-18% too slow in the last two sweeps, 3 points less with these speedups.
+those (costs.module_fb(joint=True)). Megatron's TP 2 on small-enc-heavy, simulated 7-18% too
+slow in the last two sweeps, read +6.3% with these speedups and +11.4% without in a check right
+after (same runs, same profiles; its TP-1 control +9.2% either way).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
 at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
