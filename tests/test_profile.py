@@ -221,36 +221,57 @@ def test_tp_groups_side_by_side_are_the_slowest_rank_over_the_pair_alone_each_ro
     assert "joint_speedup" not in tp_speedups(pair, alone, side)["backbone"]
 
 
-def test_a_synchronized_pass_waits_at_every_modules_forward_and_backward_end_inside_their_times():
-    """The side-by-side TP pairs wait for each other where colocated ranks do (bench.profile.tp):
-    run_pass calls `sync` after each forward and each backward, and the wait counts in that time."""
+class _Clock:
+    """A timer that only the fake modules (and a test's sync) advance."""
+    t = 0.0
+
+    def now(self):
+        return self.t
+
+
+def _clocked_modules(clock: _Clock, costs: dict[str, tuple[float, float]]) -> dict:
+    """bench.profile.measure's `built` for fake modules: each advances `clock` by its (forward,
+    backward) cost; the backbone returns (lm, cond) as the real one does."""
     import torch
-    from bench.profile.measure import run_pass
 
-    class Clock:                     # a timer that only the sync advances
-        t = 0.0
+    class Tick(torch.autograd.Function):         # advances the clock in the backward
+        @staticmethod
+        def forward(ctx, x, cost):
+            ctx.cost = cost
+            return x.clone()
 
-        def now(self):
-            return self.t
+        @staticmethod
+        def backward(ctx, grad):
+            clock.t += ctx.cost
+            return grad, None
 
     class Module(torch.nn.Module):
-        def __init__(self, outputs: int):
+        def __init__(self, name: str):
             super().__init__()
-            self.w, self.outputs = torch.nn.Parameter(torch.ones(2)), outputs
+            self.w, self.name, self.calls = torch.nn.Parameter(torch.ones(2)), name, 0
 
         def zero_grad_buffer(self):
             pass
 
         def forward(self, mb, x=None):
-            y = self.w * (1.0 if x is None else x.sum())
-            return (y, y * 2) if self.outputs == 2 else y
+            fwd, bwd = costs[self.name]
+            clock.t += fwd
+            self.calls += 1
+            y = Tick.apply(self.w * (1.0 if x is None else x.sum()), bwd)
+            return (y, y * 2) if self.name == "backbone" else y
+    return {n: (None, Module(n), None) for n in MODULES}
 
-    clock, calls = Clock(), []
+
+def test_a_synchronized_pass_waits_at_every_modules_forward_and_backward_end_inside_their_times():
+    """The side-by-side TP pairs wait for each other where colocated ranks do (bench.profile.tp):
+    run_pass calls `sync` after each forward and each backward, and the wait counts in that time."""
+    from bench.profile.measure import run_pass
+    clock, calls = _Clock(), []
 
     def sync():
         calls.append(1)
         clock.t += 1.0
-    built = {n: (None, Module(2 if n == "backbone" else 1), None) for n in MODULES}
+    built = _clocked_modules(clock, {n: (0.0, 0.0) for n in MODULES})
     rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
     run_pass(built, None, clock, rec, sync=sync)
     assert len(calls) == 2 * len(MODULES)
@@ -264,47 +285,13 @@ def test_a_synchronized_pass_waits_at_every_modules_forward_and_backward_end_ins
 def test_a_joint_pass_chains_the_modules_and_splits_its_one_backward_at_their_boundaries():
     """run_joint_pass: the three forwards chained, one backward; each module's backward is timed from
     the gradient reaching its output's consumer to its input (a clock that only the modules advance)."""
-    import torch
     from bench.profile.measure import run_joint_pass
-
-    class Clock:
-        t = 0.0
-
-        def now(self):
-            return self.t
-    clock = Clock()
-
-    class Tick(torch.autograd.Function):         # advances the clock in the backward by `cost`
-        @staticmethod
-        def forward(ctx, x, cost):
-            ctx.cost = cost
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            clock.t += ctx.cost
-            return grad, None
-
-    class Module(torch.nn.Module):
-        def __init__(self, fwd: float, bwd: float, outputs: int):
-            super().__init__()
-            self.w, self.fwd, self.bwd, self.outputs = torch.nn.Parameter(torch.ones(2)), fwd, bwd, outputs
-            self.calls = 0
-
-        def zero_grad_buffer(self):
-            pass
-
-        def forward(self, mb, x=None):
-            clock.t += self.fwd
-            self.calls += 1
-            y = Tick.apply(self.w * (1.0 if x is None else x.sum()), self.bwd)
-            return (y, y * 2) if self.outputs == 2 else y
-    built = {"encoder": (None, Module(1.0, 10.0, 1), None), "backbone": (None, Module(2.0, 20.0, 2), None),
-             "generator": (None, Module(3.0, 30.0, 1), None)}
+    clock = _Clock()
+    costs = {"encoder": (1.0, 10.0), "backbone": (2.0, 20.0), "generator": (3.0, 30.0)}
+    built = _clocked_modules(clock, costs)
     rec = {n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES}
     run_joint_pass(built, None, clock, rec)
-    assert {n: (rec[n]["fwd"], rec[n]["bwd"]) for n in MODULES} == {
-        "encoder": ([1.0], [10.0]), "backbone": ([2.0], [20.0]), "generator": ([3.0], [30.0])}
+    assert {n: (rec[n]["fwd"][0], rec[n]["bwd"][0]) for n in MODULES} == costs
     assert all(m.calls == 1 and m.w.grad is not None for _, m, _ in built.values())      # one chained pass
 
 

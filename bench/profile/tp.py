@@ -156,11 +156,11 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
         dist.destroy_process_group()
 
 
-def _lockstep_ratios(pair: list[list[dict]], alone: list[dict], module: str) -> tuple[list[float], list[float]]:
-    """Per round: the pair's seconds (the slower rank's: the pair is in lockstep) and TP-1 / TP-2."""
+def _lockstep_ratios(pair: list[list[dict]], alone: list[dict], module: str):
+    """Per round: the TP-1 seconds, the pair's (the slower rank's: the pair is in lockstep), TP-1 / TP-2."""
     t2 = [max(rank[i][module]["wall"] for rank in pair) for i in range(len(alone))]
     t1 = [a[module]["wall"] for a in alone]
-    return t2, [a / b for a, b in zip(t1, t2) if a > 0 and b > 0] or [1.0]
+    return t1, t2, [a / b for a, b in zip(t1, t2) if a > 0 and b > 0] or [1.0]
 
 
 def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]] | None = None,
@@ -176,8 +176,7 @@ def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]
     and "joint_rounds", the same speedup with the modules chained as a monolithic step runs them."""
     rows = {}
     for n in MODULES:
-        t2, ratios = _lockstep_ratios(pair, alone, n)
-        t1 = [a[n]["wall"] for a in alone]
+        t1, t2, ratios = _lockstep_ratios(pair, alone, n)
         shares = [min(1.0, sum(p[n]["cpu"] for p in rank) / wall)
                   for rank in pair if (wall := sum(p[n]["wall"] for p in rank)) > 0]
         rows[n] = {"seconds": statistics.median(t2), "tp1_seconds": statistics.median(t1),
@@ -189,7 +188,7 @@ def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]
             slow = [b / a for a, b in zip(t2, both) if a > 0 and b > 0] or [1.0]
             rows[n].update(side_by_side=statistics.median(slow), side_by_side_rounds=slow)
         if pair_joint and alone_joint:
-            _, joint = _lockstep_ratios(pair_joint, alone_joint, n)
+            *_, joint = _lockstep_ratios(pair_joint, alone_joint, n)
             rows[n].update(joint_speedup=statistics.median(joint), joint_rounds=joint)
     return rows
 
