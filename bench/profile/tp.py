@@ -33,7 +33,8 @@ against 0.40; the whole chained pass at TP 2 took 0.91-0.93x the module-by-modul
 each round also times both chained ("joint_speedup"), and the simulator gives a monolithic step
 those (costs.module_fb(joint=True)). Megatron's TP 2 on small-enc-heavy, simulated 7-18% too
 slow in the last two sweeps, read +6.3% with these speedups and +11.4% without in a check right
-after (same runs, same profiles; its TP-1 control +9.2% either way).
+after (same runs, same profiles; its TP-1 control +9.2% either way), and +0.5% in the next full
+sweep (5 Dec 09:48; +7.5% on the same profiles without them).
 
 Side by side ("co-run"): as many independent TP-1 copies of the timing as the machine has cores,
 at once, and twice as many, against one alone, in wall seconds. Processes on separate cores still
