@@ -102,9 +102,13 @@ def kernel_time() -> tuple[float, int]:
     """This process so far (all its threads): (CPU seconds spent in the kernel, minor page
     faults). Every page of a freshly allocated buffer faults on its first write, and on this
     project's virtual machine one fault cost 1.3-1.5 us of kernel time on most ranks and up to
-    ~10x that on others (cause not found), so a step that allocates anew each time (DeepSpeed's
-    gradient buckets: ~38,000 faults per rank per step on `small`) can spend a large, varying
-    share of its CPU here."""
+    ~10x that on others, so a step that allocates anew each time (DeepSpeed's gradient buckets:
+    ~38,000 faults per rank per step on `small`) can spend a large, varying share of its CPU
+    here. The cause is not established. A candidate: this VM's kernel hands free memory back to
+    the host (virtio-balloon free page reporting), and a page the host took back faults in the
+    host too on its next first touch. A probe (5 Dec) read 4.9 and 4.4 us a fault in two of
+    fifteen first touches of 3 GB (the second right after 500 MiB were reported), 1.9-2.7 us in
+    the rest, and 1.9 us in ten of 2 GB."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_stime, usage.ru_minflt
 
