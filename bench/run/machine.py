@@ -104,11 +104,8 @@ def kernel_time() -> tuple[float, int]:
     project's virtual machine one fault cost 1.3-1.5 us of kernel time on most ranks and up to
     ~10x that on others, so a step that allocates anew each time (DeepSpeed's gradient buckets:
     ~38,000 faults per rank per step on `small`) can spend a large, varying share of its CPU
-    here. The cause is not established. Checked and not supported (5 Dec): this VM's kernel
-    hands free memory back to the host (virtio-balloon free page reporting), and first touches
-    of 3 GB read 4.4-4.9 us a fault twice in fifteen (1.9-2.7 us otherwise), but six DeepSpeed
-    `small` runs with 0.8-2.1 GB reported during each read 4.5-5.1 us of kernel time per fault
-    over all ranks, unrelated to the amount. (The kernel time also holds gloo's socket copies.)"""
+    here. The cause is not established (docs/validation-log.md, 5 Dec: the VM's free page
+    reporting and processes faulting at once were checked and dropped)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_stime, usage.ru_minflt
 
