@@ -3,7 +3,7 @@
 Each reads only records tagged `tags.experiment == <ablation>`; the variant comes from the
 record (tags.plan_kind, config.data.reorder, config.data.preprocess). Repeats of a
 configuration are summarized by their medians (analysis.repeats); throughput bars carry the
-95% interval of the median when there are repeats.
+interval of the median when there are repeats (analysis.stats).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def headline_groups(best: pd.DataFrame) -> pd.DataFrame:
 def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, log_ok=True,
                  skip_annotate=()):
     """One panel per mode (measured above simulated), bars per system grouped by model size;
-    `value` rows with `low` / `high` get a 95% interval bar (from repeats)."""
+    `value` rows with `low` / `high` get an interval bar (from repeats: analysis.stats)."""
     value = headline_groups(value)
     modes = modes_in(value)
     palette = system_palette(value["system"])
@@ -48,9 +48,10 @@ def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, lo
     return fig
 
 
-@figure("throughput", "Training throughput (samples/s, median of the repeats; error bars: 95% "
-        "interval of the median) of the fastest layout of each system, grouped by model size "
-        "(at the device count most systems ran); simulated results (hatched) in their own panel.")
+@figure("throughput", "Training throughput (samples/s, median of the repeats; error bars: the "
+        "order-statistic interval of the median, >= 95% from 6 repeats, the repeats' range below) "
+        "of the fastest layout of each system, grouped by model size (at the device count most "
+        "systems ran); simulated results (hatched) in their own panel.")
 def throughput(data):
     best = best_layouts(data.runs)
     if best.empty:
@@ -74,16 +75,17 @@ def mfu(data):
 
 def speedup_table(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """Best layout of each system with its speedup over the best layout of `baseline` (ratio of
-    medians, 95% bootstrap interval) as value / low / high, where its group has that baseline."""
+    medians, exact 95% rank-based interval) as value / low / high, where its group has that baseline."""
     best = best_layouts(runs, baseline=baseline)
     return best.assign(value=best["speedup"], low=best["speedup_low"], high=best["speedup_high"]
                        ).dropna(subset=["value"])
 
 
 @figure("speedup", "Median throughput of the fastest layout of each system divided by that "
-        "of the fastest layout of the speedup baseline (error bars: 95% bootstrap interval of the "
-        "ratio of medians) (`--baseline`; by default the first registered "
-        "baseline with a run) on the same workload, data profile, mode and device count.")
+        "of the fastest layout of the speedup baseline (error bars: exact 95% interval of the "
+        "ratio from the Mann-Whitney test; none where 3 + 3 repeats are too few for one) "
+        "(`--baseline`; by default the first registered baseline with a run) on the same "
+        "workload, data profile, mode and device count.")
 def speedup(data):
     base = data.baseline
     if base is None:

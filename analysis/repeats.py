@@ -2,10 +2,10 @@
 
 Records sharing a `config_key` (bench.config.config_key: the resolved config without tags) are
 repeats of one configuration; a record without one (older, or simulated) is a configuration of
-its own. A configuration's samples/s is the median of its repeats, with the 95% interval of
-that median (analysis.stats); MFU, tokens/s and the other rates are medians too. "Best layout"
-means the best median, never the luckiest repeat, and a speedup is a ratio of medians with its
-bootstrap interval.
+its own. A configuration's samples/s is the median of its repeats, with the order-statistic
+interval of that median (analysis.stats); MFU, tokens/s and the other rates are medians too.
+"Best layout" means the best median, never the luckiest repeat, and a speedup is a ratio of
+medians with its exact rank-based 95% interval.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MEDIAN_COLUMNS = ("tokens_per_s", "mfu", "mfu_encoder", "mfu_backbone", "mfu_gen
 
 def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration of the ok records in `runs`: the first repeat's columns, with
-    samples_per_s the median of the repeats, samples_per_s_low / _high its 95% interval,
+    samples_per_s the median of the repeats, samples_per_s_low / _high its interval,
     n_repeats, cv, repeat_values and experiments (every experiment its repeats served)."""
     good = ok(runs)
     if good.empty:
@@ -58,7 +58,8 @@ def best_layouts(runs: pd.DataFrame, keys: list[str] | None = None, baseline: st
 
 def with_speedups(configs: pd.DataFrame, best: pd.DataFrame, baseline: str | None, keys: list[str]) -> pd.DataFrame:
     """`configs` with speedup / speedup_low / speedup_high over the best `baseline` configuration
-    (a row of `best`) with the same `keys`: ratio of medians and its 95% bootstrap interval."""
+    (a row of `best`) with the same `keys`: ratio of medians and its 95% interval (NaN where
+    the repeats are too few for one: analysis.stats)."""
     configs = configs.assign(speedup=np.nan, speedup_low=np.nan, speedup_high=np.nan)
     if baseline is None:
         return configs

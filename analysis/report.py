@@ -22,8 +22,8 @@ def _speedup_note(baseline: str | None) -> str:
         return ("No speedup is given: no registered baseline system has a successful run "
                 "(`--baseline NAME` picks any system that has one).")
     return (f"Speedup divides a configuration's median samples/s by that of the best {baseline} "
-            "configuration with the same workload, data profile, mode and device count, with the 95% "
-            "bootstrap interval of that ratio (`--baseline NAME` picks another).")
+            "configuration with the same workload, data profile, mode and device count, with the exact "
+            "95% interval of that ratio (Mann-Whitney; `analysis/stats.py`) (`--baseline NAME` picks another).")
 
 
 def _skipped_lines(skipped) -> list[str]:

@@ -1,6 +1,8 @@
-"""The bootstrap of a median, the one place it is drawn: analysis.stats builds its intervals and
-ratios on it, and validation its noise floor (bench validate sits below analysis, so the
-primitive lives here). Seeded: the same repeats give the same numbers."""
+"""The bootstrap of a median, the one place it is drawn: validation's noise floor, how far a
+model exact on average would read from a configuration's median (bench validate and the
+report's validation table). Not for intervals: at this project's 3-8 repeats a percentile
+bootstrap covers far less than it says (analysis.stats, which is exact instead). Seeded: the
+same repeats give the same numbers."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
-"""Statistics of repeats: interval coverage on a known distribution, ratios, and the verdict wording."""
+"""Statistics of repeats: exact interval coverage at the repeat counts this project runs, the
+rank-sum null distribution against published tables, ratios, and the verdict wording."""
 from __future__ import annotations
 
 import math
@@ -6,34 +7,50 @@ import math
 import numpy as np
 import pytest
 
-from analysis.stats import ratio_of_medians, summarize
+from analysis.stats import rank_sum_null, ratio_of_medians, summarize
 
 
-def test_median_interval_covers_the_true_median_about_95_percent():
+def test_rank_sum_null_matches_the_published_tables():
+    assert np.allclose(np.array(rank_sum_null(3, 3)) * 20, [1, 1, 2, 3, 3, 3, 3, 2, 1, 1])
+    # Two-sided 5% critical values of the Mann-Whitney U (reject when U <= the value).
+    for (m, n), critical in {(5, 5): 2, (8, 8): 13, (10, 10): 23, (6, 9): 10, (20, 20): 127}.items():
+        cdf = np.cumsum(rank_sum_null(m, n))
+        assert int(np.sum(cdf <= 0.025)) - 1 == critical
+
+
+@pytest.mark.parametrize("n", [3, 5, 9])
+def test_median_interval_covers_the_true_median_as_often_as_it_says(n):
     rng = np.random.default_rng(7)
-    true_median = 10.0                              # lognormal(mu=log 10, sigma): median exactly 10
-    trials, hits = 400, 0
-    for t in range(trials):
-        x = rng.lognormal(math.log(true_median), 0.3, size=9)
-        s = summarize(x, resamples=1000, seed=t)
+    true_median, trials, hits = 10.0, 2000, 0      # lognormal(mu=log 10, sigma): median exactly 10
+    for _ in range(trials):
+        s = summarize(rng.lognormal(math.log(true_median), 0.3, size=n))
         hits += s.low <= true_median <= s.high
-    # The percentile bootstrap of a median from 9 repeats is close to nominal, not exact.
-    assert 0.88 <= hits / trials <= 0.99
+    # the stated level is exact (order statistics): 75% at 3, 93.75% at 5, 96.1% at 9
+    assert s.level == pytest.approx({3: 0.75, 5: 0.9375, 9: 1 - 2 * 10 / 512}[n])
+    assert abs(hits / trials - s.level) < 0.03
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_no_difference_is_claimed_from_noise_more_than_5_percent_of_the_time(n):
+    rng = np.random.default_rng(n)
+    trials = 2000
+    verdicts = [ratio_of_medians(rng.lognormal(0, 0.2, n), rng.lognormal(0, 0.2, n)).verdict() for _ in range(trials)]
+    claims = sum(v.endswith(("faster", "slower")) for v in verdicts)
+    assert claims / trials < 0.05 + 0.015           # a percentile bootstrap: 6.5% at 4 + 4, 10% at 3 + 3
 
 
 def test_ratio_interval_covers_the_true_ratio():
     rng = np.random.default_rng(8)
-    trials, hits = 300, 0
-    for t in range(trials):
-        a, b = rng.normal(12.0, 1.0, size=7), rng.normal(10.0, 1.0, size=7)
-        r = ratio_of_medians(a, b, resamples=1000, seed=t)
+    trials, hits = 1000, 0
+    for _ in range(trials):
+        r = ratio_of_medians(1.2 * rng.lognormal(0, 0.1, 7), rng.lognormal(0, 0.1, 7))
         hits += r.low <= 1.2 <= r.high
-    assert 0.88 <= hits / trials <= 0.995
+    assert 0.93 <= hits / trials <= 0.99
 
 
 def test_summary_of_repeats():
     s = summarize([4.0, 5.0, 6.0, 5.0, 5.0])
-    assert s.n == 5 and s.median == 5.0 and s.low <= 5.0 <= s.high
+    assert s.n == 5 and s.median == 5.0 and (s.low, s.high) == (4.0, 6.0)
     assert s.cv == pytest.approx(np.std([4, 5, 6, 5, 5], ddof=1) / 5.0)
     one = summarize([3.0])
     assert one.n == 1 and one.median == 3.0 and math.isnan(one.low) and math.isnan(one.cv)
@@ -54,7 +71,15 @@ def test_large_difference_in_small_noise_is_faster():
     a = 150.0 * (1 + 0.02 * rng.standard_normal(5))      # 50% faster, 2% noise
     r = ratio_of_medians(a, b)
     assert r.low > 1.0 and r.verdict().endswith("faster")
+    assert r.low <= r.value <= r.high
     assert ratio_of_medians(b, a).verdict().endswith("slower")
+
+
+def test_three_repeats_each_cannot_show_a_difference():
+    # 3 + 3: even complete separation has probability 1/10 under no difference
+    words = ratio_of_medians([3.0, 3.1, 3.2], [1.0, 1.1, 1.2]).verdict()
+    assert "3 and 3 repeats: too few" in words and "faster" not in words
+    assert ratio_of_medians([3.0, 3.1, 3.2, 3.3], [1.0, 1.1, 1.2, 1.3]).verdict().endswith("faster")
 
 
 def test_single_runs_get_no_verdict():
