@@ -53,8 +53,7 @@ class Ratio:
         if self.n_a < 2 or self.n_b < 2:
             return f"{self.value:.2f}× (one run each: no interval, no verdict)"
         if math.isnan(self.low):
-            return (f"{self.value:.2f}× ({self.n_a} and {self.n_b} repeats: too few for a 95% interval, "
-                    "no verdict; 4 + 4 or 3 + 5 are the fewest that can show a difference)")
+            return f"{self.value:.2f}× ({self.n_a} + {self.n_b} repeats: too few for a 95% interval, no verdict)"
         if self.low > 1.0:
             return f"{self.value:.2f}× [{self.low:.2f}, {self.high:.2f}], {faster}"
         if self.high < 1.0:

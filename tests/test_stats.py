@@ -78,7 +78,7 @@ def test_large_difference_in_small_noise_is_faster():
 def test_three_repeats_each_cannot_show_a_difference():
     # 3 + 3: even complete separation has probability 1/10 under no difference
     words = ratio_of_medians([3.0, 3.1, 3.2], [1.0, 1.1, 1.2]).verdict()
-    assert "3 and 3 repeats: too few" in words and "faster" not in words
+    assert "3 + 3 repeats: too few" in words and "faster" not in words
     assert ratio_of_medians([3.0, 3.1, 3.2, 3.3], [1.0, 1.1, 1.2, 1.3]).verdict().endswith("faster")
 
 
