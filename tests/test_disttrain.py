@@ -11,6 +11,7 @@ PLANS = [
     (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated"),   # TP broadcast, fan-in at backbone -> generator
     (4, "enc:1x1,llm:1x2x1,gen:1x1", "disaggregated"),   # backbone pipeline inside the module pipeline
     (2, "enc:1x2,llm:2x1x1,gen:1x2", "colocated"),       # every module on both ranks, own TP/DP
+    (2, "enc:1x2,llm:1x1x2,gen:1x2", "colocated"),       # equal layouts: the boundaries move nothing
 ]
 
 

@@ -547,6 +547,41 @@ def test_colocated_disttrain_simulates():
         resolve_layout(get_workload("tiny"), "disttrain", {**lay, "plan": "enc:1x1,llm:2x1x1,gen:1x2"}, 2, 8, 2)
 
 
+def test_colocated_ranks_run_ahead_across_equal_layouts():
+    """Modules without TP / CP collectives and boundaries between equal layouts do not hold the
+    ranks back: each rank's seconds add up and the step waits once for the slowest; a boundary
+    that moves data, or a module with TP collectives, waits there."""
+    from systems.disttrain.sim_colocated import Ahead
+    dp2 = {"tp": 1, "cp": 1, "pp": 1, "dp": 2, "first_rank": 0}
+    tp2 = {**dp2, "tp": 2, "dp": 1}
+    ahead = Ahead({"encoder": dp2, "backbone": dp2, "generator": tp2})
+
+    def slowest(per_rank):
+        return float(np.max(per_rank))
+    assert ahead.module([1.0, 3.0], slowest, dp2) == 0.0
+    assert ahead.boundary("encoder", "backbone", 0.5) == 0.0      # equal layouts: nothing moves
+    assert ahead.module([3.0, 1.0], slowest, dp2) == 0.0
+    assert ahead.wait() == 4.0                                    # not 3 + 3: the ranks ran ahead
+    ahead.module([1.0, 3.0], slowest, dp2)
+    assert ahead.boundary("backbone", "generator", 0.5) == 3.5    # moves data: waits, then pays it
+    assert ahead.module([2.0], slowest, tp2) == 2.0               # TP collectives inside: waits
+    assert ahead.wait() == 0.0
+
+
+def test_colocated_plan_in_megatrons_dp_layout_costs_what_megatron_does_on_cpu():
+    """Every module at DP 2 on 2 ranks: no boundary moves data, so the colocated step is
+    Megatron's tp1-pp1-dp2 run module by module (per-rank work summed over the step, one wait),
+    but for its data loading (each module's rows read apart) and its three optimizers."""
+    cl = _cpu_cluster(processes=2)
+    col = simulate("tiny", "disttrain", {"plan": "enc:1x2,llm:1x1x2,gen:1x2", "placement": "colocated"}, 2, cl,
+                   num_batches=1, data_order="none")
+    meg = simulate("tiny", "megatron", {"tp": 1, "pp": 1, "dp": 2}, 2, cl, num_batches=1, data_order="none")
+
+    def without_data(r):
+        return r["iteration_time_s"] * (1 - r["data_wait_fraction"])
+    assert without_data(col) == pytest.approx(without_data(meg), rel=0.05)
+
+
 @pytest.mark.parametrize("gpus", [64, 256])
 def test_colocated_plan_in_megatrons_layout_costs_what_megatron_does(gpus):
     """Every module at TP 4 over all GPUs is Megatron's tp4-pp1 layout run module by module: at scale

@@ -4,6 +4,10 @@ Modules run one after another on the shared ranks; at each boundary the activati
 regrouped in place from the source's DP split into the destination's (an all-gather, then
 each rank keeps its rows), and the gradient takes the reverse path, rescaled from the
 destination's DP averaging into the source's (see systems.disttrain.runtime for the rule).
+Where the two modules have the same layout, every rank already holds its rows and the boundary
+moves nothing (as megatron-core's bridge communicators between equal grids): an all-gather there
+held the ranks in lockstep at every boundary of every microbatch for no data (5 Dec: colocated
+`small-gen-heavy`, every module at DP 2, sat blocked 0.55-0.66 s of a 2.0-2.6 s schedule).
 """
 from __future__ import annotations
 
@@ -22,6 +26,12 @@ from systems.base import StepOutput
 def _rows_of(full_parts: list[torch.Tensor], dp: int, tp_x_pp: int) -> torch.Tensor:
     """The whole microbatch, from the gathered parts of each DP rank's first TP rank."""
     return torch.cat([full_parts[d * tp_x_pp] for d in range(dp)], dim=0)
+
+
+def same_layout(a, b) -> bool:
+    """Two modules split the ranks alike (same TP, CP, PP and DP from the same first rank): each
+    rank's rows of a boundary tensor are the same on both sides."""
+    return (a.tp, a.cp, a.pp, a.dp, a.rank_offset) == (b.tp, b.cp, b.pp, b.dp, b.rank_offset)
 
 
 class _Regroup(torch.autograd.Function):
@@ -76,6 +86,8 @@ class ColocatedRuntime:
         if not x.requires_grad:          # keep every rank in the backward collective
             x = x.detach().requires_grad_()
         p = self.plan.modules
+        if same_layout(p[src], p[dst]):
+            return x
         return _Regroup.apply(x, p[src], p[dst], self.dp_rank[dst], self.dp_rank[src])
 
     def train_step(self, step: int) -> StepOutput:

@@ -8,6 +8,50 @@ from systems.disttrain.plan import module_layouts
 from workloads.reorder import assign_for_module
 
 
+# One microbatch, in the order the runtime runs it: (module, "fwd" | "bwd") or a boundary (src, dst).
+MICROBATCH_ORDER = (("encoder", "fwd"), ("encoder", "backbone"), ("backbone", "fwd"), ("backbone", "generator"),
+                    ("generator", "fwd"), ("generator", "bwd"), ("generator", "backbone"), ("backbone", "bwd"),
+                    ("backbone", "encoder"), ("encoder", "bwd"))
+
+
+def same_layout(a: dict, b: dict) -> bool:
+    """Two modules split the ranks alike: a boundary between them moves nothing
+    (systems.disttrain.colocated.same_layout, on the plan's module entries)."""
+    keys = ("tp", "cp", "pp", "dp", "first_rank")
+    return all(a.get(k, 1) == b.get(k, 1) for k in keys)
+
+
+class Ahead:
+    """Ranks running ahead of one another. A module without collectives inside (TP x CP = 1) and a
+    boundary between equal layouts do not synchronize the ranks, so each rank's seconds add up
+    across them (rank by rank: equal layouts line the ranks up alike) until a part that does (a
+    module with TP or CP collectives, a boundary that moves data, the step's end) waits for the
+    slowest. Without it every part waited for the slowest rank, as the runtime did until 5 Dec."""
+
+    def __init__(self, layouts: dict):
+        self.layouts, self.pending, self.lockstep = layouts, None, None
+
+    def module(self, per_rank, lockstep, layout: dict) -> float:
+        """Seconds the step waits for this module's part (`per_rank` seconds on each of its DP ranks)."""
+        if layout["tp"] * layout["cp"] > 1:
+            return self.wait() + lockstep(per_rank)
+        self.pending = np.array(per_rank, dtype=np.float64) + (0.0 if self.pending is None else self.pending)
+        self.lockstep = lockstep
+        return 0.0
+
+    def boundary(self, src: str, dst: str, seconds: float) -> float:
+        if same_layout(self.layouts[src], self.layouts[dst]):
+            return 0.0
+        return self.wait() + seconds
+
+    def wait(self) -> float:
+        """Every rank catches up with the slowest (lockstep: shared cores included)."""
+        if self.pending is None:
+            return 0.0
+        seconds, self.pending = self.lockstep(self.pending), None
+        return seconds
+
+
 def _spread(bc, key, samples, dp: int, reorder: bool):
     """Per-rank (flops, tokens) of `samples`' images of module `key` spread over dp ranks."""
     fl, tk, owner = ((bc.enc_flops, bc.enc_tokens, bc.enc_owner) if key == "encoder"
@@ -22,8 +66,9 @@ def _spread(bc, key, samples, dp: int, reorder: bool):
 def simulate_step(layout, step, kit) -> StepCost:
     """Colocated placement: every module on all P ranks with its own TP x DP, run one after another
     per microbatch (encoder fwd, regroup, backbone fwd, regroup, generator fwd+bwd, backbone bwd,
-    encoder bwd), ranks in lockstep. A regroup moves a boundary tensor from one module's layout to
-    the next's: with the trainers' own order (validation) as this runtime does it, an all-gather over
+    encoder bwd), ranks in lockstep at every part with collectives (Ahead). A regroup moves a
+    boundary tensor from one module's layout to the next's (between equal layouts: nothing, no
+    wait): with the trainers' own order (validation) as this runtime does it, an all-gather over
     the world (priced as measured with that many processes where a CPU profile has it:
     costs.collective_time; the ring model over 2-process fits priced it 2-3x lower); at scale
     as megatron-core's bridge communicators do (arXiv 2605.27678: activations materialized in
@@ -66,7 +111,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     total, busy, first = 0.0, 0.0, []
     tok = {"encoder": 0.0, "generator": 0.0}
     bb_f = C.backbone_stage(w, 1, 0)[0]
-    spread = {}
+    spread, ahead, lockstep = {}, Ahead(lay), {}
     for j in range(m):
         t = {}
         for k in MODULES:
@@ -85,7 +130,8 @@ def simulate_step(layout, step, kit) -> StepCost:
             f, b = C.module_fb(fl, tk, k, sh[k], sh[k].layers, lay[k]["tp"], cluster, rc, calls,
                                cp=lay[k]["cp"], cp_comm=comm)
             share = C.tp_busy(k, lay[k]["tp"], cluster, lay[k]["cp"])
-            t[k] = (host.lockstep(f, mp[k], P, cluster, share, k), host.lockstep(b, mp[k], P, cluster, share, k))
+            t[k] = {"fwd": f, "bwd": b}
+            lockstep[k] = lambda x, k=k, share=share: host.lockstep(x, mp[k], P, cluster, share, k)
             busy += mp[k] * float(f.sum() + b.sum())
         # the encoder's output: each rank its rows' canvas, or its images' tokens when spread
         canvas = regroup(spread["encoder"] / w.encoder.token_merge ** 2 * hb if "encoder" in spread
@@ -94,10 +140,15 @@ def simulate_step(layout, step, kit) -> StepCost:
         cond_grad = regroup(size // G["dp"] * w.generator.num_cond_tokens * hb, "generator", "backbone")
         # each backbone rank: its 1/cp of the sequence's gradient, back to the encoder's layout
         canvas_grad = regroup(size // K["dp"] * seq // cp * hb, "backbone", "encoder")
-        total += sum(sum(v) for v in t.values()) + canvas + cond + cond_grad + canvas_grad
+        moves = {("encoder", "backbone"): canvas, ("backbone", "generator"): cond,
+                 ("generator", "backbone"): cond_grad, ("backbone", "encoder"): canvas_grad}
+        for module, part in MICROBATCH_ORDER:
+            total += (ahead.module(t[module][part], lockstep[module], lay[module]) if part in ("fwd", "bwd")
+                      else ahead.boundary(module, part, moves[module, part]))
         if j == 0:
             first = [[float(bc.per_sample("encoder")[[i for r in rows["encoder"] for i in r[0]]].sum()),
                       size * bb_f, float(bc.per_sample("generator")[[i for r in rows["generator"] for i in r[0]]].sum())]]
+    total += ahead.wait()
     sync, opt, mem, data = 0.0, 0.0, 0.0, 0.0
     for k in MODULES:
         p, shards = C.shard_params(sh[k], lay[k]["tp"]), lay[k]["dp"] * lay[k]["cp"]     # optimizer over DP x CP
