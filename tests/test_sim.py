@@ -552,19 +552,20 @@ def test_colocated_ranks_run_ahead_across_equal_layouts():
     ranks back: each rank's seconds add up and the step waits once for the slowest; a boundary
     that moves data, or a module with TP collectives, waits there."""
     from systems.disttrain.sim_colocated import Ahead
-    dp2 = {"tp": 1, "cp": 1, "pp": 1, "dp": 2, "first_rank": 0}
-    tp2 = {**dp2, "tp": 2, "dp": 1}
-    ahead = Ahead({"encoder": dp2, "backbone": dp2, "generator": tp2})
+    from systems.disttrain.plan import same_layout
+    dp2 = {"tp": 1, "pp": 1, "dp": 2, "first_rank": 0}
+    assert same_layout(dp2, {**dp2, "cp": 1}) and not same_layout(dp2, {**dp2, "tp": 2, "dp": 1})
+    ahead = Ahead({("encoder", "backbone")}, {"generator"})       # the generator at TP 2
 
     def slowest(per_rank):
         return float(np.max(per_rank))
-    assert ahead.module([1.0, 3.0], slowest, dp2) == 0.0
+    assert ahead.module("encoder", [1.0, 3.0], slowest) == 0.0
     assert ahead.boundary("encoder", "backbone", 0.5) == 0.0      # equal layouts: nothing moves
-    assert ahead.module([3.0, 1.0], slowest, dp2) == 0.0
+    assert ahead.module("backbone", [3.0, 1.0], slowest) == 0.0
     assert ahead.wait() == 4.0                                    # not 3 + 3: the ranks ran ahead
-    ahead.module([1.0, 3.0], slowest, dp2)
+    ahead.module("backbone", [1.0, 3.0], slowest)
     assert ahead.boundary("backbone", "generator", 0.5) == 3.5    # moves data: waits, then pays it
-    assert ahead.module([2.0], slowest, tp2) == 2.0               # TP collectives inside: waits
+    assert ahead.module("generator", [2.0], slowest) == 2.0       # TP collectives inside: waits
     assert ahead.wait() == 0.0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from systems import cp as CP
 from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
-from systems.disttrain.plan import PLACEMENTS, parse_plan, validate_plan
+from systems.disttrain.plan import PLACEMENTS, layout_entry, parse_plan, validate_plan
 
 
 @register
@@ -50,8 +50,7 @@ class DistTrainSystem(SystemAdapter):
         used = plan.modules["backbone"].size if colocated else sum(p.size for p in plan.modules.values())
         details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc, "overlap": ov,
                    "cp": cp, "cp_comm": comm if cp > 1 else None,
-                   "modules": {n: {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "first_rank": p.rank_offset}
-                               for n, p in plan.modules.items()}}
+                   "modules": {n: layout_entry(p) for n, p in plan.modules.items()}}
         ring = cp > 1 and comm == "ring"
         return Layout(label=plan.label() + ("-ring" if ring else "") + ("-rc" if rc else "") + ("-ov" if ov else ""),
                       num_devices=used, details=details, module_dp={n: p.dp for n, p in plan.modules.items()},

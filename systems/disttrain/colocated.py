@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from systems import mcore
 from systems.mcore import build_module
-from systems.disttrain.plan import MODULES
+from systems.disttrain.plan import MODULES, layout_entry, same_layout
 from systems.disttrain.grids import build_grid
 from systems.base import StepOutput
 
@@ -26,12 +26,6 @@ from systems.base import StepOutput
 def _rows_of(full_parts: list[torch.Tensor], dp: int, tp_x_pp: int) -> torch.Tensor:
     """The whole microbatch, from the gathered parts of each DP rank's first TP rank."""
     return torch.cat([full_parts[d * tp_x_pp] for d in range(dp)], dim=0)
-
-
-def same_layout(a, b) -> bool:
-    """Two modules split the ranks alike (same TP, CP, PP and DP from the same first rank): each
-    rank's rows of a boundary tensor are the same on both sides."""
-    return (a.tp, a.cp, a.pp, a.dp, a.rank_offset) == (b.tp, b.cp, b.pp, b.dp, b.rank_offset)
 
 
 class _Regroup(torch.autograd.Function):
@@ -81,13 +75,15 @@ class ColocatedRuntime:
         self.rows = {n: mbs * llm.dp // p.dp for n, p in plan.modules.items()}
         self.scale = {n: p.dp / gbs for n, p in plan.modules.items()}
         self.dp_rank = {n: self.pg[n].dp.rank() for n in MODULES}
+        entry = {n: layout_entry(p) for n, p in plan.modules.items()}
+        self.equal_layouts = {(a, b) for a in MODULES for b in MODULES if same_layout(entry[a], entry[b])}
 
     def _regroup(self, x, src: str, dst: str):
         if not x.requires_grad:          # keep every rank in the backward collective
             x = x.detach().requires_grad_()
-        p = self.plan.modules
-        if same_layout(p[src], p[dst]):
+        if (src, dst) in self.equal_layouts:
             return x
+        p = self.plan.modules
         return _Regroup.apply(x, p[src], p[dst], self.dp_rank[dst], self.dp_rank[src])
 
     def train_step(self, step: int) -> StepOutput:

@@ -70,6 +70,18 @@ class Plan:
         raise ValueError(f"rank {rank} belongs to no module")
 
 
+def layout_entry(p: ModulePlan) -> dict:
+    """A module's entry in a disttrain Layout's details["modules"]."""
+    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "first_rank": p.rank_offset}
+
+
+def same_layout(a: dict, b: dict) -> bool:
+    """Two modules' entries (layout_entry) split the ranks alike, so a rank holds the same rows of
+    a boundary tensor on both sides and the boundary moves nothing (as megatron-core's bridge
+    communicators between equal grids)."""
+    return {"cp": 1, **a} == {"cp": 1, **b}
+
+
 def module_layouts(layout) -> dict:
     """{"encoder": {"tp", "cp", "pp", "dp", "first_rank"}, ...} of a disttrain Layout (cp absent: 1)."""
     return {n: {"cp": 1, **layout.details["modules"][n]} for n in MODULES}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from systems.base import MODULES, StepCost
-from systems.disttrain.plan import module_layouts
+from systems.disttrain.plan import module_layouts, same_layout
 from workloads.reorder import assign_for_module
 
 
@@ -14,13 +14,6 @@ MICROBATCH_ORDER = (("encoder", "fwd"), ("encoder", "backbone"), ("backbone", "f
                     ("backbone", "encoder"), ("encoder", "bwd"))
 
 
-def same_layout(a: dict, b: dict) -> bool:
-    """Two modules split the ranks alike: a boundary between them moves nothing
-    (systems.disttrain.colocated.same_layout, on the plan's module entries)."""
-    keys = ("tp", "cp", "pp", "dp", "first_rank")
-    return all(a.get(k, 1) == b.get(k, 1) for k in keys)
-
-
 class Ahead:
     """Ranks running ahead of one another. A module without collectives inside (TP x CP = 1) and a
     boundary between equal layouts do not synchronize the ranks, so each rank's seconds add up
@@ -28,19 +21,21 @@ class Ahead:
     module with TP or CP collectives, a boundary that moves data, the step's end) waits for the
     slowest. Without it every part waited for the slowest rank, as the runtime did until 5 Dec."""
 
-    def __init__(self, layouts: dict):
-        self.layouts, self.pending, self.lockstep = layouts, None, None
+    def __init__(self, free_boundaries: set, synchronizing: set):
+        """free_boundaries: (src, dst) pairs that move nothing; synchronizing: modules with
+        collectives inside."""
+        self.free, self.synchronizing, self.pending, self.lockstep = free_boundaries, synchronizing, None, None
 
-    def module(self, per_rank, lockstep, layout: dict) -> float:
+    def module(self, name: str, per_rank, lockstep) -> float:
         """Seconds the step waits for this module's part (`per_rank` seconds on each of its DP ranks)."""
-        if layout["tp"] * layout["cp"] > 1:
+        if name in self.synchronizing:
             return self.wait() + lockstep(per_rank)
         self.pending = np.array(per_rank, dtype=np.float64) + (0.0 if self.pending is None else self.pending)
         self.lockstep = lockstep
         return 0.0
 
     def boundary(self, src: str, dst: str, seconds: float) -> float:
-        if same_layout(self.layouts[src], self.layouts[dst]):
+        if (src, dst) in self.free:
             return 0.0
         return self.wait() + seconds
 
@@ -111,7 +106,11 @@ def simulate_step(layout, step, kit) -> StepCost:
     total, busy, first = 0.0, 0.0, []
     tok = {"encoder": 0.0, "generator": 0.0}
     bb_f = C.backbone_stage(w, 1, 0)[0]
-    spread, ahead, lockstep = {}, Ahead(lay), {}
+    # A boundary between equal layouts moves nothing where each module rank runs its rows, as this
+    # runtime does; spread image by image (rd None) the images leave their sample's rank anyway.
+    free = {(a, b) for a in MODULES for b in MODULES if rd is not None and same_layout(lay[a], lay[b])}
+    ahead = Ahead(free, {k for k in MODULES if mp[k] > 1})
+    spread, lockstep = {}, {}
     for j in range(m):
         t = {}
         for k in MODULES:
@@ -143,7 +142,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         moves = {("encoder", "backbone"): canvas, ("backbone", "generator"): cond,
                  ("generator", "backbone"): cond_grad, ("backbone", "encoder"): canvas_grad}
         for module, part in MICROBATCH_ORDER:
-            total += (ahead.module(t[module][part], lockstep[module], lay[module]) if part in ("fwd", "bwd")
+            total += (ahead.module(module, t[module][part], lockstep[module]) if part in ("fwd", "bwd")
                       else ahead.boundary(module, part, moves[module, part]))
         if j == 0:
             first = [[float(bc.per_sample("encoder")[[i for r in rows["encoder"] for i in r[0]]].sum()),
