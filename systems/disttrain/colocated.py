@@ -79,7 +79,7 @@ class ColocatedRuntime:
         self.equal_layouts = {(a, b) for a in MODULES for b in MODULES if same_layout(entry[a], entry[b])}
 
     def _regroup(self, x, src: str, dst: str):
-        if not x.requires_grad:          # keep every rank in the backward collective
+        if not x.requires_grad:          # the backward starts from it (and, regrouped, every rank joins)
             x = x.detach().requires_grad_()
         if (src, dst) in self.equal_layouts:
             return x
