@@ -22,11 +22,11 @@ MEDIAN_COLUMNS = ("tokens_per_s", "mfu", "mfu_encoder", "mfu_backbone", "mfu_gen
 
 def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration of the ok records in `runs`: the first repeat's columns, with
-    samples_per_s the median of the repeats, samples_per_s_low / _high its interval,
-    n_repeats, cv, repeat_values and experiments (every experiment its repeats served)."""
+    samples_per_s the median of the repeats, samples_per_s_low / _high its interval and
+    samples_per_s_level what that interval covers (analysis.stats.Summary.level), n_repeats, cv, repeat_values and experiments (every experiment its repeats served)."""
     good = ok(runs)
     if good.empty:
-        return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, n_repeats=0, cv=np.nan,
+        return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, samples_per_s_level=np.nan, n_repeats=0, cv=np.nan,
                            repeat_values=None, experiments=None)
     group = good["config_key"].where(good["config_key"].notna(), good["run_id"])
     rows = []
@@ -34,7 +34,7 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
         s = summarize(g["samples_per_s"])
         row = g.iloc[0].copy()
         row["samples_per_s"], row["samples_per_s_low"], row["samples_per_s_high"] = s.median, s.low, s.high
-        row["n_repeats"], row["cv"] = s.n, s.cv
+        row["samples_per_s_level"], row["n_repeats"], row["cv"] = s.level, s.n, s.cv
         row["repeat_values"] = list(g["samples_per_s"])
         # The same configuration may serve several experiments (e.g. plan=auto choosing the main plan).
         row["experiments"] = sorted(set(g["experiment"].dropna().astype(str)))

@@ -36,6 +36,14 @@ def interval(low, high, fmt: str = ".4g") -> str:
     return "—" if pd.isna(low) or pd.isna(high) else f"[{low:{fmt}}, {high:{fmt}}]"
 
 
+def median_interval(config) -> str:
+    """A configuration's interval of the median, with what it covers where that is below 95%
+    (fewer than 6 repeats: the repeats' range, analysis.stats.summarize)."""
+    text = interval(config["samples_per_s_low"], config["samples_per_s_high"])
+    level = config["samples_per_s_level"]
+    return text if text == "—" or pd.isna(level) or level >= 0.95 else f"{text} ({100 * level:.0f}%)"
+
+
 def _experiment(run) -> str:
     """'reorder: intra' for an ablation run, else the experiment tag."""
     name = run["experiment"]
@@ -68,8 +76,7 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
         "layout": configs["layout_label"], "devices": configs["num_devices"], "mode": configs["mode"],
         "experiment": [_experiments(r, runs) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
         "samples/s (median)": configs["samples_per_s"].map(num(".4g")),
-        "interval of the median": [interval(lo, hi) for lo, hi in zip(configs["samples_per_s_low"],
-                                                            configs["samples_per_s_high"])],
+        "interval of the median": [median_interval(r) for _, r in configs.iterrows()],
         "MFU %": (configs["mfu"] * 100).map(num(".3g")),
     })
     if baseline is not None:
@@ -134,8 +141,8 @@ def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict
     md = [f"## Headline: {title}", "",
           "Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
           "configurations interleaved) with the order-statistic interval of the median (>= 95% "
-          "from 6 repeats; below that the repeats' range, which covers the median 75% / 88% / 94% "
-          "of the time at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
+          "from 6 repeats; below that the repeats' range, whose coverage follows it: 75% / 88% / 94% "
+          "at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
           "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
           "interval excludes 1.", ""]
     for (workload, profile, mode, devices), group in main.groupby(
@@ -145,7 +152,7 @@ def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict
         md += [f"{workload} · {profile} · {devices} devices ({mode}):", ""]
         rows = [{"system": s, "best layout": r["layout_label"], "repeats": r["n_repeats"],
                  "samples/s (median)": f"{r['samples_per_s']:.4g}",
-                 "interval of the median": interval(r["samples_per_s_low"], r["samples_per_s_high"]),
+                 "interval of the median": median_interval(r),
                  "CV %": num(".1f")(100 * r["cv"]), "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
         md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted)
     return md

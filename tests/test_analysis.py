@@ -312,6 +312,7 @@ def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
         "faster.")
     assert "- disttrain vs deepspeed: " in text
     assert "| megatron | tp1-pp1-dp4 | 5 |" in text
+    assert text.count("] (94%) |") == 3       # 5 repeats: the range, which covers the median 93.75% of the time
     assert "1 of 15 measured runs were measured on a busy machine" in text
     report = write_report(tmp_path / "r", tmp_path / "out", baseline="megatron").read_text()
     assert "| 5 |" in report and "speedup vs megatron" in report

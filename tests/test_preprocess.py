@@ -188,6 +188,22 @@ def test_same_microbatches_as_colocated(service, dataset, reorder):
             src.close()
 
 
+def test_colocated_source_decodes_each_sample_once_a_step(dataset):
+    """A colocated DistTrain rank asks once per module, for overlapping rows: each sample is
+    decoded once a step, and what each ask returns is what a fresh source returns."""
+    cfg = _cfg(**{"data.preprocess": "colocated"})
+    src, fresh = (ColocatedSource(_plan(cfg, dataset), cfg.seed, CPU) for _ in range(2))
+    whole = src.microbatches(0, 0, 1)                # step 0's every row (DP 1)
+    rows = {i for mb in whole for i in mb.sample_ids}
+    assert src.decodes == len(rows) == cfg.global_batch_size
+    for rank in range(2):                            # the DP-2 ranks' rows: within those, decoded already
+        for a, b in zip(src.microbatches(0, rank, 2), fresh.microbatches(0, rank, 2)):
+            _assert_same(a, b)
+    assert src.decodes == len(rows)
+    src.microbatches(1, 0, 2)                        # a new step decodes anew
+    assert src.decodes == len(rows) + cfg.global_batch_size // 2
+
+
 @pytest.mark.multiprocess
 def test_prefetch_is_bounded_and_runs_ahead(service, dataset):
     _, env = service

@@ -96,8 +96,11 @@ class ColocatedRuntime:
             busy[name] += t1 - t0
             events.append({"module": name, "kind": kind, "start_s": t0 - start, "end_s": t1 - start})
 
-        data = {n: self.ctx.data.microbatches(step, self.dp_rank[n], self.plan.modules[n].dp, self.rows[n])
-                for n in MODULES}
+        # Modules with equal layouts ask for the same rows: one ask serves them (a source asked
+        # twice would load, or fetch from its workers, twice).
+        asks = {n: (self.dp_rank[n], self.plan.modules[n].dp, self.rows[n]) for n in MODULES}
+        loads = {a: self.ctx.data.microbatches(step, *a) for a in dict.fromkeys(asks.values())}
+        data = {n: loads[asks[n]] for n in MODULES}
         loaded, cpu = time.perf_counter(), time.thread_time()   # the schedule's phase starts here: data wait is its own
         sums = torch.zeros(3, dtype=torch.float64)
         for name in MODULES:

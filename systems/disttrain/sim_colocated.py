@@ -156,15 +156,18 @@ def simulate_step(layout, step, kit) -> StepCost:
         toks = size // lay[k]["dp"] * seq / cp if k == "backbone" else tok[k]
         mem += (C.distributed_optimizer_bytes(p, shards, cluster.value_bytes)
                 + C.activation_bytes(toks, sh[k], sh[k].layers, lay[k]["tp"], rc))
-    # The measured runtime preprocesses in the trainers: each rank reads its rows once per module.
+    # The measured runtime preprocesses in the trainers: each rank asks once for each distinct
+    # (DP rank, DP size) of its modules (equal layouts share one ask), collating each ask's
+    # microbatches, and decodes every sample of those rows once (bench.data.source).
     # At GPU scale DistTrain preprocesses in separate workers, whatever the placement (as sim.py).
     load = host.load_s(bc)
     for r in range(P if rd is not None else 0):
-        d = 0.0
+        asks = {}
         for k in MODULES:
-            mine = rows[k][(r // (mp[k] * lay[k].get("pp", 1))) % lay[k]["dp"]]
-            d += C.data_time(load, [i for mb in mine for i in mb], len(mine), cluster)
-        data = max(data, d)
+            d = (r // (mp[k] * lay[k].get("pp", 1))) % lay[k]["dp"]
+            asks[d, lay[k]["dp"]] = rows[k][d]
+        samples = sorted({i for mine in asks.values() for mb in mine for i in mb})
+        data = max(data, C.data_time(load, samples, sum(len(mine) for mine in asks.values()), cluster))
     host_s = opt + C.harness_time(P, cluster)
     return StepCost(total, sync + host_s, busy, mem, P, first, data)
 
