@@ -585,6 +585,28 @@ def test_colocated_plan_in_megatrons_dp_layout_costs_what_megatron_does_on_cpu()
     assert col["iteration_time_s"] == pytest.approx(meg["iteration_time_s"], rel=0.05)
 
 
+@pytest.mark.parametrize("trainers_order", [True, False])
+def test_equal_layout_boundaries_are_free_only_where_module_ranks_run_their_rows(monkeypatch, trainers_order):
+    """With the trainers' own order (validation) each module rank runs its rows, so between equal
+    layouts nothing moves; at scale a microbatch's images are spread over the ranks image by image,
+    so they leave their sample's rank and every boundary still pays."""
+    from systems.disttrain import sim_colocated
+    seen, boundary = [], sim_colocated.Ahead.boundary
+
+    def spy(self, src, dst, seconds):
+        seen.append(((src, dst) in self.free, seconds))
+        return boundary(self, src, dst, seconds)
+    monkeypatch.setattr(sim_colocated.Ahead, "boundary", spy)
+    if trainers_order:
+        simulate("tiny", "disttrain", {"plan": "enc:1x2,llm:1x1x2,gen:1x2", "placement": "colocated"}, 2,
+                 _cpu_cluster(processes=2), num_batches=1, data_order="none")
+        assert seen and all(free for free, _ in seen)
+    else:
+        simulate("enc-heavy-26b", "disttrain", {"plan": "enc:4x16,llm:4x1x16,gen:4x16", "placement": "colocated"},
+                 64, num_batches=1)
+        assert seen and not any(free for free, _ in seen) and all(s > 0 for _, s in seen)
+
+
 @pytest.mark.parametrize("gpus", [64, 256])
 def test_colocated_plan_in_megatrons_layout_costs_what_megatron_does(gpus):
     """Every module at TP 4 over all GPUs is Megatron's tp4-pp1 layout run module by module: at scale
