@@ -205,6 +205,27 @@ def test_colocated_source_decodes_each_sample_once_a_step(dataset):
 
 
 @pytest.mark.multiprocess
+def test_two_asks_a_step_are_fetched_once_and_ahead(service, dataset):
+    """A colocated DistTrain rank asks for two layouts' rows every step (here DP 2 and DP 1):
+    neither ask's prefetched requests are dropped as out of order by the other, so nothing is
+    requested twice, and each ask gets what ColocatedSource gives."""
+    _, env = service
+    cfg = _cfg(**{"data.prefetch": 2})
+    src, colocated = _source(cfg, dataset, env), ColocatedSource(_plan(cfg, dataset), cfg.seed, CPU)
+    consumed = 0
+    try:
+        for step in range(6):
+            for ask in ((0, 2), (0, 1)):
+                got, want = src.microbatches(step, *ask), colocated.microbatches(step, *ask)
+                consumed += len(got)
+                for a, b in zip(got, want):
+                    _assert_same(a, b)
+        assert consumed < src.requests_sent <= consumed + 2       # ahead, within the window, none twice
+    finally:
+        src.close()
+
+
+@pytest.mark.multiprocess
 def test_prefetch_is_bounded_and_runs_ahead(service, dataset):
     _, env = service
     cfg = _cfg(**{"data.prefetch": 1, "global_batch_size": 16})         # 4 microbatches per rank per step

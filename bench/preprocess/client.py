@@ -35,7 +35,9 @@ class DisaggregatedSource:
     or received but not yet handed to the trainer), the next step's included; the current
     step's requests are always sent, one at a time if the window is full, so a step never
     waits on the window. Each request goes to the worker with the fewest of this trainer's
-    requests pending.
+    requests pending. A trainer that asks for several layouts' rows a step (a colocated
+    DistTrain rank, one ask per module layout) has every ask's next requests fetched ahead; until
+    5 Dec each ask dropped the others' as out of order, and they were fetched again.
     """
 
     POLL_S = 0.2
@@ -71,6 +73,7 @@ class DisaggregatedSource:
         for s in self._socks:
             self._poller.register(s, zmq.POLLIN)
         self._next_id = 0
+        self._asks: dict[tuple, int] = {}     # (dp_rank, dp_size, micro batch size) -> the last step served
         self._inflight: dict[int, _Request] = {}
         self._ready: dict[tuple, MicroBatch] = {}
         self._queue: deque = deque()
@@ -87,10 +90,17 @@ class DisaggregatedSource:
             raise RuntimeError("DisaggregatedSource is closed")
         start = time.perf_counter()
         try:
-            mbs = micro_batch_size or self.plan.micro_batch_size
-            current = self._requests_of(step, dp_rank, dp_size, mbs)
-            upcoming = self._requests_of(step + 1, dp_rank, dp_size, mbs) if self.prefetch else []
-            self._plan_queue(current + upcoming)
+            ask = (dp_rank, dp_size, micro_batch_size or self.plan.micro_batch_size)
+            current = self._requests_of(step, *ask)
+            # A colocated DistTrain rank asks once a step for each of its modules' layouts: the
+            # other asks of the last step or this one will come again, so their requests are kept
+            # (and fetched ahead) rather than dropped as out of order.
+            active = [a for a, last in self._asks.items() if a != ask and last >= step - 1]
+            others, upcoming = [], []
+            if self.prefetch:
+                others = [r for a in active if self._asks[a] < step for r in self._requests_of(step, *a)]
+                upcoming = [r for a in (ask, *active) for r in self._requests_of(step + 1, *a)]
+            self._plan_queue(current + others + upcoming)
             need = {k for k, _ in current}
             got: dict[tuple, MicroBatch] = {}
             while True:
@@ -102,6 +112,7 @@ class DisaggregatedSource:
                 self._receive(self.POLL_S)
             self._pump(set())                 # the next step's requests, up to the window
             self._receive(0)                  # hand anything already here to the buffer
+            self._asks[ask] = step
             return [got[k] for k, _ in current]
         finally:
             self.wait_s += time.perf_counter() - start
