@@ -131,20 +131,22 @@ def headline_section(runs: pd.DataFrame) -> list[str]:
     md, predicted = [], predicted_times(runs)
     for experiment, title in COMPARISONS.items():
         md += _comparison(runs, experiment, title, predicted)
-    return md + busy_lines(runs) if md else []
+    return ["## Headlines", "", HOW_TO_READ, ""] + md + busy_lines(runs) if md else []
+
+
+HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
+               "configurations interleaved) with the order-statistic interval of the median (>= 95% "
+               "from 6 repeats; below that the repeats' range, whose coverage follows it: 75% / 88% / 94% "
+               "at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
+               "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
+               "interval excludes 1.")
 
 
 def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict) -> list[str]:
     main = ok(runs[runs["experiment"] == experiment])
     if main.empty:
         return []
-    md = [f"## Headline: {title}", "",
-          "Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
-          "configurations interleaved) with the order-statistic interval of the median (>= 95% "
-          "from 6 repeats; below that the repeats' range, whose coverage follows it: 75% / 88% / 94% "
-          "at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
-          "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
-          "interval excludes 1.", ""]
+    md = [f"### {title[0].upper()}{title[1:]}", ""]
     for (workload, profile, mode, devices), group in main.groupby(
             ["workload", "data_profile", "mode", "num_devices"], sort=False):
         best = best_layouts(group).set_index("system")

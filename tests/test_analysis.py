@@ -407,7 +407,7 @@ def test_headline_gives_the_simulators_prediction_and_the_encoder_heavy_comparis
     write_results(tmp_path / "r", recs)
     from analysis.report import headline_section
     text = "\n".join(headline_section(load_mod.load(tmp_path / "r").runs))
-    assert "## Headline: the encoder-heavy regime" in text and "## Headline: the main comparison" not in text
+    assert "### The encoder-heavy regime" in text and "### The main comparison" not in text
     line = text.split("- disttrain vs megatron: ")[1].split("\n")[0]
     assert line.startswith("1.20× [") and line.endswith("the simulator (bench validate) " + words)
 
