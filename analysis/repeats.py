@@ -23,11 +23,12 @@ MEDIAN_COLUMNS = ("tokens_per_s", "mfu", "mfu_encoder", "mfu_backbone", "mfu_gen
 def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration of the ok records in `runs`: the first repeat's columns, with
     samples_per_s the median of the repeats, samples_per_s_low / _high its interval and
-    samples_per_s_level what that interval covers (analysis.stats.Summary.level), n_repeats, cv, repeat_values and experiments (every experiment its repeats served)."""
+    samples_per_s_level what that interval covers (analysis.stats.Summary.level), n_repeats,
+    cv, repeat_values and experiments (every experiment its repeats served)."""
     good = ok(runs)
     if good.empty:
-        return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, samples_per_s_level=np.nan, n_repeats=0, cv=np.nan,
-                           repeat_values=None, experiments=None)
+        return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, samples_per_s_level=np.nan,
+                           n_repeats=0, cv=np.nan, repeat_values=None, experiments=None)
     group = good["config_key"].where(good["config_key"].notna(), good["run_id"])
     rows = []
     for _, g in good.groupby(group, sort=False):

@@ -124,6 +124,13 @@ COMPARISONS = {"main": "the main comparison", "encoder-heavy": "the encoder-heav
                "generator-heavy": "the generator-heavy regime",
                "heterogeneous": "homogeneous vs colocated heterogeneous layouts (arXiv 2605.27678)"}
 
+HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
+               "configurations interleaved) with the order-statistic interval of the median (>= 95% "
+               "from 6 repeats; below that the repeats' range, whose coverage follows it: 75% / 88% / 94% "
+               "at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
+               "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
+               "interval excludes 1.")
+
 
 def headline_section(runs: pd.DataFrame) -> list[str]:
     """The head-to-head comparisons (COMPARISONS): each system's best configuration by median
@@ -132,14 +139,6 @@ def headline_section(runs: pd.DataFrame) -> list[str]:
     for experiment, title in COMPARISONS.items():
         md += _comparison(runs, experiment, title, predicted)
     return ["## Headlines", "", HOW_TO_READ, ""] + md + busy_lines(runs) if md else []
-
-
-HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh launch, repeats of the "
-               "configurations interleaved) with the order-statistic interval of the median (>= 95% "
-               "from 6 repeats; below that the repeats' range, whose coverage follows it: 75% / 88% / 94% "
-               "at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
-               "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
-               "interval excludes 1.")
 
 
 def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict) -> list[str]:
