@@ -67,6 +67,8 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     over = corun["oversubscribed"]                           # and two per core
     assert over["processes"] == 2 * corun["processes"] and over["seconds"] > 0 and over["slowdown"] >= 1.0
     assert corun["cpu_slowdown"] >= 1.0 and over["cpu_slowdown"] >= 1.0
+    sole = corun["sole"]                                     # and with no other copy beside them
+    assert sole["processes"] == corun["processes"] and sole["slowdown"] >= 1.0 and "oversubscribed" not in sole
     assert corun["pass_repeats"] > 1        # tiny's microbatches take well under CORUN_PASS_S: repeated
     assert p["min_seconds"] == 0.5 and p["repeats"] == 1
 
@@ -328,6 +330,14 @@ def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():
     assert corun_slowdowns(raw, 2)["slowdown"] == pytest.approx(1.1)
     raw[0]["alone"] = [2.0, 2.0, 2.0]                   # below 1 is noise
     assert corun_slowdowns(raw, 2)["slowdown"] == 1.0
+
+
+def test_corun_without_a_phase_of_two_per_core_reports_none():
+    from bench.profile.tp import corun_slowdowns
+    # the "sole" launch: only as many copies as cores, alone and together
+    raw = [{"alone": [1.0, 1.0, 1.0] if r == 0 else [], "together": [1.05, 1.1, 1.05]} for r in range(2)]
+    c = corun_slowdowns(raw, 2)
+    assert c["slowdown"] == pytest.approx(1.05) and "oversubscribed" not in c and c["processes"] == 2
 
 
 @pytest.mark.multiprocess

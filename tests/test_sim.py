@@ -741,6 +741,33 @@ def test_two_processes_per_core_slow_down_by_the_measured_oversubscribed_factor(
     assert cluster_from_profile(prof, processes=4, cores=2).oversubscribed_slowdown is None
 
 
+def test_a_run_with_a_process_per_core_meets_the_co_run_measured_with_nothing_idle_beside():
+    from bench.sim.cluster import cluster_from_profile
+    from bench.sim.simulate import simulate
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    prof["corun"] = {"processes": 2, "slowdown": 1.2, "oversubscribed": {"processes": 4, "slowdown": 1.3},
+                     "sole": {"processes": 2, "slowdown": 1.05}}
+    two, four = cluster_from_profile(prof, processes=2, cores=2), cluster_from_profile(prof, processes=4, cores=2)
+    # two processes on two cores: nothing of the run ever idle beside its busy ranks
+    assert two.schedule_corun() == 1.05 and two.host_slowdown == pytest.approx(1.05)
+    assert "1.05x slower when every core is busy" in two.slowdown_source
+    # four: at two busy, two idle ranks beside them; the TP speedups' own co-run is the profile's
+    assert four.schedule_corun() == 1.2 and four.host_slowdown == pytest.approx(2 * 1.3)
+    assert two.corun_slowdown == four.corun_slowdown == 1.2
+    # in between, by the processes beside the cores' worth (3 on 2: halfway; a worker by its busy share)
+    assert four.schedule_corun(3, 2) == pytest.approx(1.125) and four.schedule_corun(2.2, 2) == pytest.approx(1.065)
+    prof["corun"].pop("sole")                                          # an older profile: the one co-run
+    assert cluster_from_profile(prof, processes=2, cores=2).schedule_corun() == 1.2
+    # the schedule reads it: megatron DP 2 on 2 cores is faster with the sole co-run
+    prof["corun"]["sole"] = {"processes": 2, "slowdown": 1.0}
+    run = lambda: simulate("tiny", "megatron", {"tp": 1, "pp": 1, "dp": 2}, 2, num_batches=1,
+                           cluster=cluster_from_profile(prof, processes=2, cores=2))["iteration_time_s"]
+    with_sole = run()
+    prof["corun"].pop("sole")
+    assert with_sole < run() / 1.1
+
+
 def test_shared_cores_schedule():
     from bench.sim.schedule import Chain, shared_1f1b
     rng = np.random.default_rng(0)

@@ -306,7 +306,8 @@ def _measure_corun(w, *, log, **kw) -> dict | None:
         log(f"[profile]   side-by-side slowdown not measured: {e}")
         return None
     log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x the wall seconds of one alone; "
-        f"{out['oversubscribed']['processes']} (two per core): {out['oversubscribed']['slowdown']:.3f}x")
+        f"{out['oversubscribed']['processes']} (two per core): {out['oversubscribed']['slowdown']:.3f}x; "
+        f"{out['sole']['processes']} with no other copy beside them: {out['sole']['slowdown']:.3f}x")
     return out
 
 

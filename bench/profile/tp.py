@@ -45,8 +45,17 @@ but 1.09x its wall seconds; real training steps (megatron at world size 1, two p
 1.01-1.04x and 1.06-1.12x. The runs' ranks likewise waited for a core 4-5% of each step with
 one process per core, so the co-run is the wall-clock ratio, of the slowest copy (a step waits
 for its slowest rank; it was the median copy's CPU seconds until then, and the 2-process runs
-ran 10-20% slower than simulated). Two processes per core cost more again:
-each switch between them on a core refills its caches, so 4 copies on the 2 cores took 1.13-1.25x
+ran 10-20% slower than simulated). That co-run had the other copies of the profile (the ones
+only the phase with two per core uses) idle beside it, each with its threads (gloo's loops)
+waking and taking turns on the cores: on small and small-gen-heavy (5 Dec, diagnostics of seven
+rounds) the slowest of two copies read 1.10-1.16x one alone with two idle copies beside them and
+1.04-1.07x with none. A 2-process run has none: in one small-gen-heavy run (megatron DP 2) the
+slower rank's schedule took 0.97-1.05x its priced work, where the simulator, at 1.12-1.21x,
+read its steps 9-11% slow. So the co-run is also measured as a 2-process run has it ("sole":
+`procs` copies and no other process of the profile), and the simulator takes that where a run
+has no more processes than cores (Cluster.schedule_corun); with more, the co-run with idle
+copies beside. Two processes per core cost more again: each switch between them on a core
+refills its caches, so 4 copies on the 2 cores took 1.13-1.25x
 (small) the CPU seconds of one alone. There the wall ratio is divided by the two processes' fair
 share of a core (x2), which the simulator's processor sharing already gives. The simulator slows
 compute by these factors with that many processes busy (bench.sim.schedule.contention): a
@@ -229,12 +238,12 @@ class _ThreadTimer(Timer):
         return time.thread_time()
 
 
-def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile: str | None, seed: int,
-                  microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
+def _corun_worker(rank: int, port: int, procs: int, total: int, workload: str, data_profile: str | None,
+                  seed: int, microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
     """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then
-    `procs` copies at once (one per core), then all 2 x procs (two per core), CORUN_ROUNDS times
-    over. Each process builds its modules once and every phase is one pass, so a round's three
-    phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
+    `procs` copies at once (one per core), then, where `total` is more, all `total` (two per
+    core), CORUN_ROUNDS times over. Each process builds its modules once and every phase is one
+    pass, so a round's phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
     out of the round's ratios. Each pass records its wall seconds and the CPU seconds of its
     thread (corun_slowdowns). Each process is its own world of 1; the store only orders the phases."""
     import torch
@@ -242,12 +251,11 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
     from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
     from workloads.presets import get_workload
     torch.set_num_threads(1)
-    total = 2 * procs
     store = dist.TCPStore("127.0.0.1", port, total, rank == 0)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device("cpu")
     teardown = init_single_process(dev)
-    runs = {"alone": 1, "together": procs, "oversubscribed": total}
+    runs = {"alone": 1, "together": procs, **({"oversubscribed": total} if total > procs else {})}
     times: dict[str, list[float]] = {phase: [] for phase in runs}
     cpu: dict[str, list[float]] = {phase: [] for phase in runs}
     try:
@@ -281,48 +289,62 @@ def _corun_worker(rank: int, port: int, procs: int, workload: str, data_profile:
 
 
 def corun_slowdowns(raw: list[dict], procs: int) -> dict:
-    """Each rank's {"alone", "together", "oversubscribed": wall seconds per round, "cpu": the same
-    in CPU seconds} (only rank 0 runs alone) -> seconds (medians) and slowdowns: the median over
-    the rounds of the round's slowest rank / the same round's alone, at least 1 (below is noise).
-    The slowest, because a training step waits for its slowest rank, and busy processes jitter
-    apart: in rounds of real training steps side by side (small, 3 Dec) the slowest of 2 took
-    1.08-1.21x one alone where their median took 1.06-1.12x. Two per core: the wall ratio over
-    the fair share's x2 (processor sharing). The CPU seconds' ratios ride along ("cpu_slowdown"),
-    for comparison."""
+    """Each rank's {"alone", "together", "oversubscribed" (where measured): wall seconds per round,
+    "cpu": the same in CPU seconds} (only rank 0 runs alone) -> seconds (medians) and slowdowns:
+    the median over the rounds of the round's slowest rank / the same round's alone, at least 1
+    (below is noise). The slowest, because a training step waits for its slowest rank, and busy
+    processes jitter apart: in rounds of real training steps side by side (small, 3 Dec) the
+    slowest of 2 took 1.08-1.21x one alone where their median took 1.06-1.12x. Two per core: the
+    wall ratio over the fair share's x2 (processor sharing). The CPU seconds' ratios ride along
+    ("cpu_slowdown"), for comparison."""
     def slowdown(runs: list[dict], phase: str, share: float) -> tuple[float, float]:
         alone = runs[0]["alone"]
         rounds = [max(r[phase][i] for r in runs if len(r[phase]) > i) for i in range(len(alone))]
         ratios = [t / a / share for t, a in zip(rounds, alone) if a > 0] or [1.0]
         return statistics.median([t for r in runs for t in r[phase]]), max(1.0, statistics.median(ratios))
     cpu = [r["cpu"] for r in raw] if all("cpu" in r for r in raw) else None
-    together, over = slowdown(raw, "together", 1.0), slowdown(raw, "oversubscribed", 2.0)
+    together = slowdown(raw, "together", 1.0)
     out = {"processes": procs, "seconds": together[0], "alone_seconds": statistics.median(raw[0]["alone"]),
-           "slowdown": together[1], "oversubscribed": {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]}}
+           "slowdown": together[1]}
     if cpu:
         out["cpu_slowdown"] = slowdown(cpu, "together", 1.0)[1]
-        out["oversubscribed"]["cpu_slowdown"] = slowdown(cpu, "oversubscribed", 1.0)[1]
+    if any(r.get("oversubscribed") for r in raw):
+        over = slowdown(raw, "oversubscribed", 2.0)
+        out["oversubscribed"] = {"processes": 2 * procs, "seconds": over[0], "slowdown": over[1]}
+        if cpu:
+            out["oversubscribed"]["cpu_slowdown"] = slowdown(cpu, "oversubscribed", 1.0)[1]
     return out
 
 
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
                   data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "cpu_slowdown", "oversubscribed":
-    {"processes", "seconds", "slowdown", "cpu_slowdown"}, "method"}: wall seconds of one pass of the
-    TP-1 modules with `processes` (= the cores, at most MAX_CORUN) copies at once, and with twice
-    as many, against one copy alone, in CORUN_ROUNDS rounds (_corun_worker); slowdowns:
-    corun_slowdowns."""
+    {"processes", "seconds", "slowdown", "cpu_slowdown"}, "sole": {"processes", "seconds",
+    "alone_seconds", "slowdown", "cpu_slowdown"}, "method"}: wall seconds of one pass of the TP-1
+    modules with `processes` (= the cores, at most MAX_CORUN) copies at once, and with twice as
+    many, against one copy alone, in CORUN_ROUNDS rounds (_corun_worker), the copies not in a phase
+    idle beside it; "sole": the same `processes` copies at once with no other copy on the machine
+    (a launch of its own); slowdowns: corun_slowdowns."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "corun.json"
-        run_processes(_corun_worker, (procs, workload, data_profile, seed, min(microbatches, CORUN_MICROBATCHES),
-                                      str(data_root), num_samples), out, "side-by-side module timing", nprocs=2 * procs,
-                     timeout=timeout)
-        raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2 * procs)]
+    micro = min(microbatches, CORUN_MICROBATCHES)
+
+    def launch(total: int) -> list[dict]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "corun.json"
+            run_processes(_corun_worker, (procs, total, workload, data_profile, seed, micro, str(data_root),
+                                          num_samples), out, "side-by-side module timing", nprocs=total,
+                          timeout=timeout)
+            return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(total)]
+    raw = launch(2 * procs)
+    sole = launch(procs)
     return {**corun_slowdowns(raw, procs), "pass_repeats": raw[0]["repeats"],
-            "method": (f"wall seconds of one pass over {min(microbatches, CORUN_MICROBATCHES)} microbatches of the "
+            "sole": corun_slowdowns(sole, procs),
+            "method": (f"wall seconds of one pass over {micro} microbatches of the "
                        f"TP-1 modules' forwards and backwards (repeated pass_repeats times, to at least "
                        f"{CORUN_PASS_S:g} s alone), built once per process, alone (process 0), as {procs} "
                        f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
-                       f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases; the median over the "
-                       f"rounds of each round's slowest copy / alone; below 1 (noise) counts as 1; cpu_slowdown: the same "
-                       f"in CPU seconds (thread time), undivided")}
+                       f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases, the copies not in a "
+                       f"phase idle beside it; sole: the same with only the {procs} copies on the machine (alone and "
+                       f"together, a launch of its own); the median over the rounds of each round's slowest copy / "
+                       f"alone; below 1 (noise) counts as 1; cpu_slowdown: the same in CPU seconds (thread time), "
+                       f"undivided")}

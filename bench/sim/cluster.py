@@ -122,8 +122,12 @@ class Cluster:
     # "stall_s"}}, bench/profile/handoff.py), or None; see handoff_stall.
     handoff: dict | None = None
     # Measured slowdown of a process when every core runs one (shared caches and memory bandwidth;
-    # a CPU profile's "corun", bench/profile/tp.py); bench.sim.schedule.contention interpolates it.
+    # a CPU profile's "corun", bench/profile/tp.py), with idle processes of the profile beside them
+    # (their threads still wake and take turns on the cores); bench.sim.schedule.contention
+    # interpolates it. The same with no other process beside them (the profile's "corun" "sole"),
+    # or None (older profiles); schedule_corun picks the one a run's arrangement has.
     corun_slowdown: float = 1.0
+    sole_corun_slowdown: float | None = None
     # The same with two busy processes per core (the profile's "corun" "oversubscribed"); None: not
     # measured (contention then stays at corun_slowdown beyond one process per core).
     oversubscribed_slowdown: float | None = None
@@ -140,10 +144,10 @@ class Cluster:
         top = 1.0 if self.peak_flops_measured is None else 4.0
         if missing or not all(0 < v <= top for v in self.efficiency.values()):
             raise ValueError(f"efficiency needs encoder/backbone/generator in (0, {top:g}]; got {self.efficiency}")
-        slowdowns = (self.compute_slowdown, self.host_slowdown, self.corun_slowdown, self.oversubscribed_slowdown or 1)
+        slowdowns = (self.compute_slowdown, self.host_slowdown, self.corun_slowdown, self.oversubscribed_slowdown or 1,
+                     self.sole_corun_slowdown or 1)
         if min(slowdowns) < 1 or self.value_bytes < 1:
-            raise ValueError("compute_slowdown, host_slowdown, corun_slowdown and oversubscribed_slowdown must be "
-                             ">= 1, value_bytes >= 1")
+            raise ValueError("compute_slowdown, host_slowdown and the co-run slowdowns must be >= 1, value_bytes >= 1")
         need = {"roofline": "hbm_bw", "table": "gemm_table", "flat": None}
         if self.compute_model not in need:
             raise ValueError(f"compute_model {self.compute_model!r}; choose one of {sorted(need)}")
@@ -179,11 +183,26 @@ class Cluster:
             return 0.0
         return float(self.handoff[kind]["stall_s"])
 
+    def schedule_corun(self, processes: float | None = None, cores: float | None = None) -> float:
+        """The co-run slowdown with every core busy that a run of `processes` on `cores` (default:
+        this cluster's) meets. Measured with no other process beside the busy ones ("sole": a run
+        with no more processes than cores, none of its own ever idle beside them) and with as many
+        idle ones beside them (bench/profile/tp.py: two idle copies took a 2-process co-run from
+        1.04-1.07x to 1.10-1.16x): linear in the processes in between (an interpolation of ours,
+        as in schedule.contention; a disaggregated preprocessing worker counts by its busy share)."""
+        processes = float(self.host.get("processes", 1)) if processes is None else processes
+        cores = self.shared_cores if cores is None else cores
+        if self.sole_corun_slowdown is None or not cores:
+            return self.corun_slowdown
+        beside = min(1.0, max(0.0, (processes - cores) / cores))
+        return self.sole_corun_slowdown + (self.corun_slowdown - self.sole_corun_slowdown) * beside
+
     def measured_tp_contention(self, module: str, tp: int) -> float:
         """The co-run slowdown a measured TP speedup already holds: the profile's `tp` ranks ran at
         once, each busy its measured share of the time (schedule.contention of tp x busy). The
         shared-core schedule charges every busy process's contention itself, so the module's TP
-        time is priced without it (costs.module_fb); 1 on devices of their own."""
+        time is priced without it (costs.module_fb); 1 on devices of their own. The profile's TP
+        passes ran with its other processes idle beside them: the co-run with idle ones beside."""
         if not self.shared_cores or tp not in self.tp_speedup.get(module, {}):
             return 1.0
         busy = tp * float(self.tp_busy.get(module, {}).get(tp, 1.0))
@@ -217,18 +236,18 @@ class Cluster:
         cores = cores or os.cpu_count() or 1
         # every process busy at once: each gets min(1, cores / processes) of a core, and runs
         # contention(processes) slower from what the others take of the caches and memory
-        f = max(1.0, processes / cores) * contention(processes, cores, self.corun_slowdown,
-                                                     self.oversubscribed_slowdown)
+        corun = self.schedule_corun(processes, cores)
+        f = max(1.0, processes / cores) * contention(processes, cores, corun, self.oversubscribed_slowdown)
         if model == "uniform":
             return replace(self, compute_slowdown=f, host_slowdown=f, shared_cores=None, slowdown_source=(
                 f"uniform: {processes} processes on {cores} cores, each gets min(1, {cores}/{processes}) of a core, "
                 f"so compute, data preprocessing and the optimizer step run {f:.3g}x slower than profiled (co-run "
-                f"slowdown {self.corun_slowdown:.3g} with every core busy included)"))
+                f"slowdown {corun:.3g} with every core busy included)"))
         return replace(self, compute_slowdown=1.0, host_slowdown=f, shared_cores=float(cores), slowdown_source=(
             f"shared: {processes} processes on {cores} cores; at each instant the k busy processes each get "
             f"min(1, {cores}/k) of a core (processor sharing in the 1F1B schedule); data preprocessing and the "
             f"optimizer step (all processes busy, min(1, {cores}/{processes})) run {f:.3g}x slower than profiled; "
-            f"a busy process also runs up to {self.corun_slowdown:.3g}x slower when every core is busy"
+            f"a busy process also runs up to {corun:.3g}x slower when every core is busy"
             + (f" and {self.oversubscribed_slowdown:.3g}x with two busy processes per core"
                if self.oversubscribed_slowdown is not None else "")
             + " (measured co-run slowdown, bench.sim.schedule.contention)"))
@@ -361,6 +380,7 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         hbm_bw=None, hbm_bw_source="", compute_model="table" if profile.get("gemm") else "flat",
         gemm_table=profile.get("gemm"), compute_source=f"measured: {where}",
         corun_slowdown=max(1.0, float((profile.get("corun") or {}).get("slowdown", 1.0))),
+        sole_corun_slowdown=_sole_corun(profile),
         oversubscribed_slowdown=_oversubscribed(profile),
         tp_speedup=_per_tp(profile, "speedup"), tp_speedup_joint=_per_tp(profile, "joint_speedup"),
         tp_busy=_per_tp(profile, "busy"),
@@ -409,3 +429,9 @@ def _oversubscribed(profile: dict) -> float | None:
     """A CPU profile's measured slowdown with two busy processes per core, or None (older profiles)."""
     over = (profile.get("corun") or {}).get("oversubscribed")
     return max(1.0, float(over["slowdown"])) if over else None
+
+
+def _sole_corun(profile: dict) -> float | None:
+    """A CPU profile's measured co-run slowdown with no other process beside the copies, or None (older profiles)."""
+    sole = (profile.get("corun") or {}).get("sole")
+    return max(1.0, float(sole["slowdown"])) if sole else None

@@ -44,5 +44,5 @@ def lockstep(per_rank_time, tp: int, P: int, cluster, busy: float = 1.0, module:
         return float(t.max()) if t.size else 0.0
     one = np.full((1, 1), busy)
     return shared_1f1b([Chain(np.array([[x]]), np.zeros((1, 1)), None, one, one) for x in t], cluster.shared_cores,
-                       cluster.corun_slowdown, cluster.oversubscribed_slowdown)[0]
+                       cluster.schedule_corun(), cluster.oversubscribed_slowdown)[0]
 

@@ -68,7 +68,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         chains.append(schedule.Chain(work / 3, 2 * work / 3))
     pipe = max(times)
     if cluster.shared_cores:                 # ranks that finish early free their core for the others
-        pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown,
+        pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.schedule_corun(),
                                     cluster.oversubscribed_slowdown)[0]
     own = _measured_step_end(cluster, z, dp, ov)
     if own is not None:                      # reduction, optimizer and all-gather as measured

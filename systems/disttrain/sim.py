@@ -196,7 +196,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         heads = heads / cluster.host_slowdown      # as work: the processor sharing slows it (_alone)
         chain = schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group, _stalls(cluster, E, G, dp, pp, S),
                                head=heads, wh=ranks)
-        end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.corun_slowdown,
+        end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.schedule_corun(),
                                                cluster.oversubscribed_slowdown)
         # the step's data wait: the encoder ranks' loading priced alone (processor sharing may
         # stretch it in the schedule; only the split between wait and schedule moves, not the step)

@@ -93,7 +93,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         # every rank of this replica (all TP and PP ranks) reads and preprocesses its samples
         data = max(data, C.data_time(load, [i for m in mbl for i in m], len(mbl), cluster))
     if cluster.shared_cores:                 # the DP replicas' pipelines share the cores
-        pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.corun_slowdown,
+        pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.schedule_corun(),
                                     cluster.oversubscribed_slowdown)[0]
     m = B // dp // mbs
     mem, stage_params, opt = [], [], []
