@@ -33,7 +33,8 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
     (m, n, k) with the runs' threads (bench.profile.gemm), from which the simulator predicts any
     GEMM shape; optional in the file (older profiles have none);
   * (CPU, unless --no-tp; bench.profile.tp) each module at TP 2 in 2 processes (its measured
-    speedup over TP 1), and the modules on every core at once (the co-run slowdown).
+    speedup over TP 1), and the modules on every core at once (the co-run slowdown: with the
+    profile's other copies idle beside them, and with none, as a run of one process per core).
 
 A profile for hardware that is not here is *derived* (`--spec H100-SXM`): the datasheet peak
 times a measured efficiency per module (from `--efficiency-from` a CPU profile, or the
