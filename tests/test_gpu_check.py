@@ -238,22 +238,30 @@ def test_gpu_profile_module_runs_on_cpu_with_tiny_shapes(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_bf16_layers_hold_every_parameter_in_bf16():
+def test_bf16_layers_and_models_hold_every_parameter_in_bf16():
     """CUDA's layer_norm refuses a bf16 input with fp32 weights (CPU's accepts one), so the 4 Dec
     H200 check failed every encoder and generator layer and both Megatron runs: the blocks are
-    cast whole, as Megatron-LM's Float16Module casts its model. In its own process (CPU shims)."""
+    cast whole, as Megatron-LM's Float16Module casts its model. Checked on the profiler's layers
+    and on the whole model the Megatron and DeepSpeed adapters build (DistTrain builds the same
+    modules). In its own process (CPU shims)."""
     code = """
 import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
 from bench.profile.gpu import _build_layer
 from bench.profile.layers import layer_shapes
 from bench.profile.measure import init_single_process
+from workloads.mllm import MLLMStage
+from workloads.presets import get_workload
 teardown = init_single_process(torch.device("cpu"))
 for shape in layer_shapes(("tiny",), 64):
     block, _ = _build_layer(shape, 1, "local", torch.device("cpu"), torch.bfloat16)
     print(shape.name, sorted({str(p.dtype) for p in block.parameters()}))
+model = MLLMStage(get_workload("tiny", None), tp_size=1, pp_size=1, pp_rank=0, dtype=torch.bfloat16, seed=1,
+                  pg=ProcessGroupCollection.use_mpu_process_groups())
+print("model", sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}))
 teardown()
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 3 and all(line.endswith("['torch.bfloat16']") for line in lines), lines
+    assert len(lines) == 4 and all(line.endswith("['torch.bfloat16']") for line in lines), lines
