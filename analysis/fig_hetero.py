@@ -36,16 +36,16 @@ def configurations_frame(runs: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame()
     df = df.assign(configuration=df["tags.configuration"], tflops_per_gpu=df["metrics.tflops_per_gpu"])
-    keys = ["workload", "num_devices", "configuration"]
-    best = df.loc[df.groupby(keys)["tokens_per_s"].idxmax()].reset_index(drop=True)
-    homogeneous = best[best["configuration"] == "homogeneous"].set_index(["workload", "num_devices"])
+    group = ["workload", "cluster", "num_devices"]          # gains only within one simulated cluster
+    best = df.loc[df.groupby(group + ["configuration"])["tokens_per_s"].idxmax()].reset_index(drop=True)
+    homogeneous = best[best["configuration"] == "homogeneous"].set_index(group)
     for metric in METRICS:
-        reference = best.set_index(["workload", "num_devices"]).index.map(homogeneous[metric].to_dict())
+        reference = best.set_index(group).index.map(homogeneous[metric].to_dict())
         best[f"gain_{metric}"] = best[metric].to_numpy() / np.asarray(reference, dtype=float) - 1
     order = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
     best["_w"] = best["workload"].map(lambda w: order.get(w, len(order)))
     best["_c"] = best["configuration"].map(CONFIGURATIONS.index)
-    return best.sort_values(["num_devices", "_w", "_c"]).drop(columns=["_w", "_c"]).reset_index(drop=True)
+    return best.sort_values(["cluster", "num_devices", "_w", "_c"]).drop(columns=["_w", "_c"]).reset_index(drop=True)
 
 
 @figure("heterogeneous", "Heterogeneous parallelism at long context (simulated, hatched): TFLOPS/GPU and "
@@ -57,11 +57,11 @@ def heterogeneous_sweep(data):
     df = configurations_frame(data.runs)
     if df.empty:
         raise NoData(f"no simulated record tagged experiment={EXPERIMENT} with a configuration tag")
-    gpus = sorted(df["num_devices"].unique())
+    gpus = sorted(set(zip(df["cluster"], df["num_devices"])))      # a column per cluster and GPU count
     fig, axes = new_figure(nrows=len(METRICS), ncols=len(gpus), size=(3.6 * len(gpus) + 1, 6.4))
     width = 0.8 / len(CONFIGURATIONS)
-    for col, n in enumerate(gpus):
-        part = df[df["num_devices"] == n]
+    for col, (cluster, n) in enumerate(gpus):
+        part = df[(df["cluster"] == cluster) & (df["num_devices"] == n)]
         workloads = list(dict.fromkeys(part["workload"]))
         for row, (metric, title) in enumerate(METRICS.items()):
             ax = axes[row * len(gpus) + col]
@@ -81,6 +81,6 @@ def heterogeneous_sweep(data):
             ax.set_xlabel("workload (preset)" if row == len(METRICS) - 1 else "")
             ax.set_ylabel(title if col == 0 else "")
             if row == 0:
-                ax.set_title(f"{n} GPUs (simulated)")
+                ax.set_title(f"{n} GPUs of {cluster} (simulated)")
     fig.legend(loc="outside upper center", ncol=len(CONFIGURATIONS), frameon=False)
     return fig

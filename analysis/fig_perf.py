@@ -11,12 +11,13 @@ from analysis.style import (FIGSIZE, PROFILE_SHORT, NoData, bars, figure, legend
                             new_figure, panel_legend, system_palette, with_groups)
 
 GROUP_XLABEL = "workload · data profile · devices (count)"
+GROUP_KEYS = ["workload", "data_profile", "num_devices"]
 
 
 def headline_groups(best: pd.DataFrame) -> pd.DataFrame:
     """One device count per workload, profile and mode: the one most systems ran (then the
     largest); the other counts are in the scaling figure and the summary table."""
-    keys = ["workload", "data_profile", "mode"]
+    keys = ["workload", "data_profile", "mode", "cluster"]
     n = best.groupby(keys + ["num_devices"])["system"].nunique().rename("n").reset_index()
     pick = n.sort_values(["n", "num_devices"]).groupby(keys).tail(1)
     return best.merge(pick[keys + ["num_devices"]], on=keys + ["num_devices"])
@@ -24,14 +25,20 @@ def headline_groups(best: pd.DataFrame) -> pd.DataFrame:
 
 def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, log_ok=True,
                  skip_annotate=()):
-    """One panel per mode (measured above simulated), bars per system grouped by model size;
-    `value` rows with `low` / `high` get an interval bar (from repeats: analysis.stats)."""
-    value = headline_groups(value)
-    modes = modes_in(value)
+    """One panel per mode and cluster (measured above simulated), bars per system grouped by
+    model size; `value` rows with `low` / `high` get an interval bar (from repeats: analysis.stats).
+    bench validate's simulations of measured runs are model checks, in the report's validation
+    table, not here."""
+    value = headline_groups(value[value["experiment"] != "validation"])
+    panels = [(mode, cluster) for mode in modes_in(value)
+              for cluster in sorted(value.loc[value["mode"] == mode, "cluster"].unique())]
     palette = system_palette(value["system"])
-    fig, axes = new_figure(nrows=len(modes), size=(FIGSIZE[0], 1.2 + 2.9 * len(modes)))
-    for ax, mode in zip(axes, modes):
-        df, order = with_groups(value[value["mode"] == mode])
+    groups = max(value[(value["mode"] == m) & (value["cluster"] == c)][GROUP_KEYS].drop_duplicates().shape[0]
+                 for m, c in panels)
+    width = max(FIGSIZE[0], 1.5 + 0.5 * groups)          # two-line labels need room side by side
+    fig, axes = new_figure(nrows=len(panels), size=(width, 1.2 + 2.9 * len(panels)))
+    for ax, (mode, cluster) in zip(axes, panels):
+        df, order = with_groups(value[(value["mode"] == mode) & (value["cluster"] == cluster)])
         hue_order = [s for s in palette if s in set(df["system"])]
         bars(ax, df, "group", "value", "system", order, hue_order, palette,
              annotate=annotate, skip_annotate=skip_annotate, interval=("low", "high"))
@@ -39,12 +46,14 @@ def _system_bars(value: pd.DataFrame, ylabel: str, title: str, annotate=None, lo
         log = log_ok and len(positive) and positive.max() / positive.min() > 5
         if log:
             ax.set_yscale("log")
-        ax.set_title(mode_title(mode))
+        ax.set_title(f"{mode_title(mode)}, {cluster}")
         ax.set_ylabel(ylabel + (", log scale" if log else ""))
         ax.set_xlabel("")
+        if len(order) > 6:
+            ax.tick_params(axis="x", labelrotation=90)
     axes[-1].set_xlabel(GROUP_XLABEL)
     fig.suptitle(title)
-    panel_legend(fig, legend_handles(palette, "simulated" in modes), "system")
+    panel_legend(fig, legend_handles(palette, any(m == "simulated" for m, _ in panels)), "system")
     return fig
 
 
@@ -103,23 +112,40 @@ def speedup(data):
     return fig
 
 
-@figure("scaling", "Throughput against device count for the fastest layout at each count; "
+def scaling_panels(best: pd.DataFrame) -> dict[tuple, pd.DataFrame]:
+    """(workload, data profile, cluster) -> its rows: a panel per simulated cluster, each with the
+    measured runs of its workload beside (two clusters' curves never merge); a workload nobody
+    simulated gets one panel of its measured runs, its cluster "measured"."""
+    panels = {}
+    for (workload, profile), df in best.groupby(["workload", "data_profile"], sort=False):
+        measured = df[df["mode"] == "measured"]
+        simulated = df[df["mode"] != "measured"]
+        for cluster, sim in simulated.groupby("cluster", sort=True):
+            panels[(workload, profile, cluster)] = pd.concat([measured, sim])
+        if simulated.empty:
+            panels[(workload, profile, "measured")] = measured
+    return panels
+
+
+@figure("scaling", "Throughput against device count for the fastest layout at each count, one panel "
+        "per workload, data profile and simulated cluster (the workload's measured runs beside); "
         "measured runs are solid lines with circles, simulated runs dashed lines with squares.")
 def scaling(data):
     best = best_layouts(data.runs)
     if best.empty:
         raise NoData("no ok record with samples_per_s")
-    counts = best.groupby(["workload", "data_profile"])["num_devices"].nunique()
-    counts = counts[counts >= 2]
-    if counts.empty:
+    panels = scaling_panels(best)
+    counts = {k: df["num_devices"].nunique() for k, df in panels.items()}
+    counts = {k: n for k, n in counts.items() if n >= 2}
+    if not counts:
         raise NoData("no workload has ok runs at two or more device counts")
     size = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
-    picked = sorted(counts.index, key=lambda k: (-counts[k], size.get(k[0], 99)))[:3]
+    picked = sorted(counts, key=lambda k: (-counts[k], size.get(k[0], 99)))[:3]
     picked = sorted(picked, key=lambda k: (size.get(k[0], 99), k))
     palette = system_palette(best["system"])
     fig, axes = new_figure(ncols=len(picked))
-    for ax, (workload, profile) in zip(axes, picked):
-        df = best[(best["workload"] == workload) & (best["data_profile"] == profile)]
+    for ax, (workload, profile, cluster) in zip(axes, picked):
+        df = panels[(workload, profile, cluster)]
         sns.lineplot(data=df, x="num_devices", y="samples_per_s", hue="system", style="mode",
                      palette={s: palette[s] for s in set(df["system"])},
                      style_order=["measured", "simulated"],
@@ -133,7 +159,7 @@ def scaling(data):
             ax.tick_params(axis="x", labelrotation=60, labelsize=8)
         ax.minorticks_off()
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{workload} · {PROFILE_SHORT.get(profile, profile)}")
+        ax.set_title(f"{workload} · {PROFILE_SHORT.get(profile, profile)}\n{cluster}")
         ax.set_xlabel("devices (count, log₂ axis)")
         ax.set_ylabel("")
     axes[0].set_ylabel("throughput (samples/s)")

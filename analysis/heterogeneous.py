@@ -40,7 +40,8 @@ def heterogeneous_section(runs: pd.DataFrame) -> list[str]:
           "The three configurations of arXiv 2605.27678 at each search's best layout (simulated: a cost model, "
           "not training). Gains are over the optimized homogeneous layout of the same workload and GPU count.", ""]
     table = pd.DataFrame({
-        "workload": df["workload"], "GPUs": df["num_devices"].astype(int), "configuration": df["configuration"],
+        "workload": df["workload"], "cluster": df["cluster"], "GPUs": df["num_devices"].astype(int),
+        "configuration": df["configuration"],
         "layout": df["layout_label"].map(cell), "TFLOPS/GPU": df["tflops_per_gpu"].map("{:.0f}".format),
         "tokens/s": df["tokens_per_s"].map("{:,.0f}".format),
         "gain TFLOPS/GPU": df["gain_tflops_per_gpu"].map(_percent),
@@ -55,7 +56,7 @@ def heterogeneous_section(runs: pd.DataFrame) -> list[str]:
             continue
         best = long.loc[ours.idxmax()]
         md.append(f"- {configuration}, {metric.replace('_', ' ')}: paper up to {_percent(paper)}; model up to "
-                  f"{_percent(ours.max())} ({best['workload']}, {int(best['num_devices'])} GPUs), "
+                  f"{_percent(ours.max())} ({best['workload']}, {int(best['num_devices'])} GPUs of {best['cluster']}), "
                   f"down to {_percent(ours.min())}")
     md += ["", "Where the model and the paper differ, the assumptions that differ:", ""]
     md += [f"- {d}" for d in DIFFERENCES] + [""]

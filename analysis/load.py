@@ -21,7 +21,7 @@ from workloads.presets import PRESETS
 
 WORKLOAD_ORDER = tuple(sorted(PRESETS, key=lambda name: parameter_counts(PRESETS[name])["total"]))  # by model size
 # Columns every runs frame has, whether or not any record carries them.
-RUN_COLUMNS = ("run_id", "mode", "timestamp", "system", "workload", "data_profile", "status",
+RUN_COLUMNS = ("run_id", "mode", "cluster", "timestamp", "system", "workload", "data_profile", "status",
                "reason", "num_devices", "layout_label", "experiment", "plan_kind", "reorder",
                "preprocess", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
                "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
@@ -91,6 +91,9 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
     runs = pd.json_normalize(flat) if flat else pd.DataFrame()
     for short, long in ALIASES.items():
         runs[short] = runs[long] if long in runs else np.nan
+    # Where it ran: the simulated cluster's name, or a measured run's device. Records of two
+    # clusters (h100-ib, h200-ib) are never compared with each other.
+    runs["cluster"] = [str(r["config"].get("cluster") or r["config"].get("device") or "?") for r in records]
     runs["n_steps"] = [len(r["steps"]) for r in records]
     runs["source"] = [r.get("_source", "") for r in records]
     runs["data_wait_fraction"] = [_data_wait_fraction(r) for r in records]
@@ -135,7 +138,7 @@ def ok(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[(runs["status"] == "ok") & runs["samples_per_s"].notna()]
 
 
-COMPARE_KEYS = ["workload", "data_profile", "mode", "num_devices"]
+COMPARE_KEYS = ["workload", "data_profile", "mode", "cluster", "num_devices"]
 
 
 def system_order(systems) -> list[str]:

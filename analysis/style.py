@@ -69,11 +69,13 @@ def system_palette(systems) -> dict:
     return {s: colors[s] for s in system_order(systems)}
 
 
-def group_label(row, with_system: bool = False, with_mode: bool = False) -> str:
+def group_label(row, with_system: bool = False, with_mode: bool = False, with_cluster: bool = False) -> str:
     """'mllm-9b\\nhetero · 8 dev' — the x tick of one comparison group."""
     n = int(row["num_devices"])
     lines = [str(row["workload"]),
              f"{PROFILE_SHORT.get(row['data_profile'], row['data_profile'])} · {n} dev"]
+    if with_cluster:
+        lines.append(str(row["cluster"]))
     if with_system:
         lines.append(str(row["system"]))
     if with_mode and row["mode"] == "simulated":
@@ -83,12 +85,14 @@ def group_label(row, with_system: bool = False, with_mode: bool = False) -> str:
 
 def with_groups(df: pd.DataFrame, with_system: bool = False,
                 with_mode: bool = False) -> tuple[pd.DataFrame, list[str]]:
-    """df plus a 'group' column, and the groups in model-size order."""
+    """df plus a 'group' column, and the groups in model-size order; the cluster is in the
+    label where the rows come from more than one."""
     df = df.copy()
-    df["group"] = [group_label(r, with_system, with_mode) for _, r in df.iterrows()]
+    several = df["cluster"].nunique() > 1
+    df["group"] = [group_label(r, with_system, with_mode, several) for _, r in df.iterrows()]
     rank = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
     keyed = df.assign(_w=df["workload"].map(lambda w: rank.get(w, 99)))
-    keys = ["_w", "workload", "data_profile", "num_devices", "system", "mode"]
+    keys = ["_w", "workload", "data_profile", "cluster", "num_devices", "system", "mode"]
     order = list(dict.fromkeys(keyed.sort_values(keys)["group"]))
     return df, order
 

@@ -13,18 +13,19 @@ from analysis.repeats import best_layouts, configurations, with_speedups
 from analysis.stats import ratio_of_medians, summarize
 from bench.bootstrap import noise_pct
 
-ORDER = ["workload", "data_profile", "mode", "num_devices", "system", "layout_label"]
+ORDER = ["workload", "data_profile", "mode", "cluster", "num_devices", "system", "layout_label"]
 
 
-def cell(value) -> str:
+def cell(value, limit: int | None = 200) -> str:
     text = "" if value is None or (isinstance(value, float) and pd.isna(value)) else str(value)
     text = " ".join(text.split())
-    return (text[:200] + "…" if len(text) > 200 else text).replace("|", "\\|")
+    return (text[:limit] + "…" if limit is not None and len(text) > limit else text).replace("|", "\\|")
 
 
-def markdown_table(df: pd.DataFrame) -> list[str]:
+def markdown_table(df: pd.DataFrame, limit: int | None = 200) -> list[str]:
+    """`df` as a markdown table, each cell cut to `limit` characters (None: whole)."""
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    lines += ["| " + " | ".join(cell(v, limit) for v in row) + " |" for row in df.itertuples(index=False)]
     return lines
 
 
@@ -74,6 +75,7 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
     table = pd.DataFrame({
         "system": configs["system"], "workload": configs["workload"], "profile": configs["data_profile"],
         "layout": configs["layout_label"], "devices": configs["num_devices"], "mode": configs["mode"],
+        "cluster": configs["cluster"],
         "experiment": [_experiments(r, runs) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
         "samples/s (median)": configs["samples_per_s"].map(num(".4g")),
         "interval of the median": [median_interval(r) for _, r in configs.iterrows()],
@@ -146,11 +148,10 @@ def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict
     if main.empty:
         return []
     md = [f"### {title[0].upper()}{title[1:]}", ""]
-    for (workload, profile, mode, devices), group in main.groupby(
-            ["workload", "data_profile", "mode", "num_devices"], sort=False):
+    for (workload, profile, mode, cluster, devices), group in main.groupby(COMPARE_KEYS, sort=False):
         best = best_layouts(group).set_index("system")
         best = best.loc[system_order(best.index)]
-        md += [f"{workload} · {profile} · {devices} devices ({mode}):", ""]
+        md += [f"{workload} · {profile} · {devices} devices ({mode}, {cluster}):", ""]
         rows = [{"system": s, "best layout": r["layout_label"], "repeats": r["n_repeats"],
                  "samples/s (median)": f"{r['samples_per_s']:.4g}",
                  "interval of the median": median_interval(r),
@@ -246,13 +247,14 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
         configs = configurations(runs[runs["experiment"] == experiment])
         if configs.empty or configs[variant].isna().all():
             continue
-        for (workload, system, devices), g in configs.groupby(["workload", "system", "num_devices"], sort=False):
+        for (workload, system, cluster, devices), g in configs.groupby(["workload", "system", "cluster", "num_devices"],
+                                                                        sort=False):
             best = g.loc[g.groupby(variant)["samples_per_s"].idxmax()].set_index(variant)
             present = [v for v in variants if v in best.index]
             if len(present) < 2:
                 continue
             ref = present[0]
-            lines += [f"- {experiment} · {system} · {workload} · {devices} devices: "
+            lines += [f"- {experiment} · {system} · {workload} · {devices} devices ({cluster}): "
                       + "; ".join(f"{v} vs {ref}: "
                                   + ratio_of_medians(best.loc[v, "repeat_values"], best.loc[ref, "repeat_values"]
                                                      ).verdict() for v in present[1:])]

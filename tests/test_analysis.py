@@ -68,7 +68,8 @@ def _record(i, system, workload, n, *, mode="measured", status="ok", layout=None
     base = {"tiny": 8.0, "small": 3.0, "mllm-9b": 40.0, "mllm-15b": 25.0, "mllm-72b": 6.0, "long-64k": 4.0}[workload]
     kw = dict(run_id=f"r{i:03d}", system=system, workload=workload, data_profile="heterogeneous",
               status=status, layout={"label": label}, num_devices=n, mode=mode, env={},
-              config={"data": data or {"reorder": "none", "preprocess": "colocated"}},
+              config={"data": data or {"reorder": "none", "preprocess": "colocated"},
+                      **({"cluster": "h100-ib"} if mode == "simulated" else {"device": "cpu"})},
               tags={"experiment": exp, **(tags or {})})
     if status != "ok":
         return build_record(**kw, reason=f"{system} {status}: out of memory | at step 3")
@@ -432,5 +433,29 @@ def test_heterogeneous_section_gives_gains_over_homogeneous_beside_the_papers(da
     colocated = df[df["configuration"] == "colocated"]
     assert colocated["gain_tflops_per_gpu"].round(6).tolist() == [0.3, 0.3]
     text = "\n".join(heterogeneous_section(data.runs))
-    assert "colocated, tflops per gpu: paper up to +49.3%; model up to +30.0% (long-64k, 64 GPUs)" in text
+    assert "colocated, tflops per gpu: paper up to +49.3%; model up to +30.0% (long-64k, 64 GPUs of h100-ib)" in text
     assert "non-colocated, tokens per s: paper up to +13.0%; model up to +10.0%" in text
+
+
+def test_records_of_two_clusters_are_never_compared(tmp_path):
+    """The same workload and GPU count simulated on two clusters: each cluster's systems are
+    compared among themselves (best layout, speedup, scaling panel), never across."""
+    recs = []
+    for k, (cluster, system, speed) in enumerate([("h100-ib", "megatron", 1.0), ("h100-ib", "disttrain", 1.5),
+                                                  ("h200-ib", "megatron", 3.0), ("h200-ib", "disttrain", 2.0)]):
+        for j, n in enumerate((64, 128)):
+            r = _record(10 * k + j, system, "mllm-72b", n, mode="simulated", exp="scaling", speed=speed)
+            r["config"]["cluster"] = cluster
+            recs.append(r)
+    write_results(tmp_path / "r", recs)
+    runs = load_mod.load(tmp_path / "r").runs
+    from analysis.fig_perf import scaling_panels
+    from analysis.repeats import best_layouts
+    best = best_layouts(runs, baseline="megatron")
+    assert len(best) == 8
+    speedup = {(r["cluster"], r["system"]): round(r["speedup"], 6) for _, r in best[best["num_devices"] == 64].iterrows()}
+    assert speedup == {("h100-ib", "megatron"): 1.0, ("h100-ib", "disttrain"): 1.5,
+                       ("h200-ib", "megatron"): 1.0, ("h200-ib", "disttrain"): round(2 / 3, 6)}
+    panels = scaling_panels(best)
+    assert sorted(panels) == [("mllm-72b", "heterogeneous", "h100-ib"), ("mllm-72b", "heterogeneous", "h200-ib")]
+    assert all(len(df) == 4 and df["cluster"].nunique() == 1 for df in panels.values())
