@@ -459,3 +459,20 @@ def test_records_of_two_clusters_are_never_compared(tmp_path):
     panels = scaling_panels(best)
     assert sorted(panels) == [("mllm-72b", "heterogeneous", "h100-ib"), ("mllm-72b", "heterogeneous", "h200-ib")]
     assert all(len(df) == 4 and df["cluster"].nunique() == 1 for df in panels.values())
+
+
+def test_paper_table_gives_the_72b_mfu_of_each_cluster_with_its_compute_source(tmp_path):
+    recs = []
+    for k, (cluster, source, speed) in enumerate([("h100-ib", "assumed: datasheet peak x ...", 1.0),
+                                                  ("h200-ib", "measured: bench/sim/gpu_profiles/h200.json", 1.1)]):
+        r = _record(k, "disttrain", "mllm-72b", 1172, mode="simulated", exp="scaling", speed=speed,
+                    extra={"bubble_fraction": 0.1})
+        r["config"]["cluster"], r["assumptions"]["compute_source"] = cluster, source
+        recs.append(r)
+    write_results(tmp_path / "r", recs)
+    from analysis.paper import paper_rows
+    rows = [r for r in paper_rows(load_mod.load(tmp_path / "r").runs, None) if r["claim"].startswith("54.7%")]
+    assert [r["closest workload"].split(" GPUs of ")[1].split(" ")[0] for r in rows] == ["h100-ib", "h200-ib"]
+    assert [r["ours (simulated)"].split("compute ")[1] for r in rows] == ["assumed)", "measured)"]
+    mfu = [0.02 * 6.0 * s * 1172 / 64 / 1172 for s in (1.0, 1.1)]
+    assert [r["ours (simulated)"].split("%")[0] for r in rows] == [f"{100 * m:.1f}" for m in mfu]
