@@ -203,6 +203,12 @@ def config_key(config: RunConfig | dict) -> str:
         d.pop("fault", None)          # added later: runs without a fault keep their config_key
     if d.get("host_heap", "release") == "release":
         d.pop("host_heap", None)      # added later: runs on glibc's default heap keep their config_key
+    try:
+        adapter = get_system(d["system"])
+    except (ConfigError, KeyError):   # a record of a system this process does not know
+        adapter = None
+    skipped = {k for k in getattr(adapter, "key_skips_defaults", ()) if d["options"].get(k) == adapter.options.get(k)}
+    d["options"] = {k: v for k, v in d["options"].items() if k not in skipped}
     if not d.get("data", {}).get("webdataset"):
         # Generated data: hash the keys that existed before data.webdataset, so repeats recorded
         # earlier keep their config_key.

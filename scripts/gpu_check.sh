@@ -12,7 +12,8 @@
 #   2. python -m bench.profile.gpu: bf16 matmul peak, per-layer fwd+bwd MFU of the paper-scale
 #      shapes at TP-sharded widths, the GEMM table -> <gpu>.json (for bench/sim/gpu_profiles/);
 #   3. bench run on `small`, bf16, --set device=cuda (NCCL), --nproc 1, every system and layout
-#      that one GPU holds -> runs.jsonl (a layout the adapter refuses is one line, exit 2);
+#      that one GPU holds, with megatron-core's local attention and with SDPA -> runs.jsonl (a
+#      layout the adapter refuses is one line, exit 2);
 #   4. bench profile --device cuda on `small`'s whole modules -> profile-cuda-small.json;
 # then manifest.json (date, versions, GPU, this script's commit and sha256, every command with
 # its exit code and seconds) and the logs packed into logs.tar.gz. The folder holds at most 8
@@ -101,8 +102,9 @@ step "megatron tp1-pp1 sdpa" 75 "${RUN[@]}" --system megatron --set attention=sd
 for z in 1 2 3; do
   step "deepspeed zero$z" 75 "${RUN[@]}" --system deepspeed --set zero_stage=$z
 done
-step "disttrain colocated" 75 "${RUN[@]}" --system disttrain --set plan=enc:1x1,llm:1x1x1,gen:1x1 \
-  --set placement=colocated
+step "deepspeed zero1 sdpa" 75 "${RUN[@]}" --system deepspeed --set zero_stage=1 --set attention=sdpa
+step "disttrain colocated sdpa" 75 "${RUN[@]}" --system disttrain --set plan=enc:1x1,llm:1x1x1,gen:1x1 \
+  --set placement=colocated --set attention=sdpa
 
 # ---- 4. the whole modules of `small` (the GEMM table is in step 2's profile)
 # (5 s of passes, not the CPU default of 30: a lent GPU is not shared, and the step has 90 s)

@@ -37,6 +37,27 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line saying what and how to fix."""
 
 
+# The attention core every system's layers can run (workloads.attention): megatron-core's unfused
+# DotProductAttention, or torch's scaled_dot_product_attention (fused kernels on CUDA). The
+# simulator prices a fused core on GPUs (bench.sim.gemm), so its GPU layouts name sdpa.
+ATTENTION = ("local", "sdpa")
+
+
+def attention_option(options) -> str:
+    """The `attention` option checked: local or sdpa (one line otherwise)."""
+    attention = options.get("attention", "local")
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r}; choose local (megatron-core DotProductAttention) or sdpa "
+                          f"(torch scaled_dot_product_attention)")
+    return attention
+
+
+def simulated_attention(cluster) -> str:
+    """The attention a layout search names for `cluster`: sdpa on GPUs, whose cost model prices a
+    fused core; local on a CPU, whose profile measured the adapters' default."""
+    return "local" if cluster.gpu == "CPU" else "sdpa"
+
+
 @dataclass(frozen=True)
 class Layout:
     label: str                     # short, one per configuration, the same measured and simulated
@@ -162,6 +183,9 @@ class SystemAdapter(ABC):
     # Options `--layout auto` can keep at a given value while it searches the rest (search_layout's
     # `fixed`); any other --set option with --layout auto is an input error before anything runs.
     search_keeps: ClassVar[frozenset[str]] = frozenset()
+    # Options added after runs were recorded: left out of bench.config.config_key while at their
+    # default, so the repeats recorded before them keep their configuration.
+    key_skips_defaults: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def layout(self, options: dict[str, Any], nproc: int, workload: Workload, global_batch_size: int,
@@ -266,5 +290,6 @@ def get_system(name: str) -> SystemAdapter:
     return _REGISTRY[name]()
 
 
-__all__ = ["MODULES", "ConfigError", "Layout", "OptimConfig", "TrainContext", "TimelineEvent", "StepOutput",
+__all__ = ["MODULES", "ATTENTION", "attention_option", "simulated_attention", "ConfigError",
+           "Layout", "OptimConfig", "TrainContext", "TimelineEvent", "StepOutput",
            "SimStep", "StepCost", "SystemAdapter", "register", "system_names", "baseline_names", "get_system"]

@@ -98,10 +98,11 @@ class UpdateTracker:
         return out
 
 
-def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, device):
+def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, device, attention: str = "local"):
     """One module of the MLLM (or one backbone stage) with its own process groups `pg`, at
-    TP `tp` (backbone: PP `pp`): (module, its TransformerConfig) on this rank; weights are the
-    canonical ones every system starts from (same global parameter names)."""
+    TP `tp` (backbone: PP `pp`), its attention core `attention` (workloads.attention): (module,
+    its TransformerConfig) on this rank; weights are the canonical ones every system starts from
+    (same global parameter names)."""
     from workloads.init import canonical_init_                # imports megatron-core: only when building
     from workloads.model import Backbone, ImageEncoder, ImageGenerator, module_config
     shape = getattr(workload, name)
@@ -110,13 +111,14 @@ def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, de
         pp_rank = pg.pp.rank()
         config = module_config(shape, tp_size=tp, pp_size=pp, gated=True, dtype=dtype,
                                num_query_groups=shape.num_query_groups)
-        module = Backbone(workload, config, pg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        module = Backbone(workload, config, pg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                          attention=attention)
         layers = module.decoder.layers
         offset = layers[0].layer_number - 1 if len(layers) else 0
         canonical_init_(module, prefix="backbone", seed=seed, tp_rank=tp_rank, tp_size=tp,
                         layer_offset=offset, gated=True)
     else:
         config = module_config(shape, tp_size=tp, gated=False, dtype=dtype)
-        module = (ImageEncoder if name == "encoder" else ImageGenerator)(workload, config, pg)
+        module = (ImageEncoder if name == "encoder" else ImageGenerator)(workload, config, pg, attention=attention)
         canonical_init_(module, prefix=name, seed=seed, tp_rank=tp_rank, tp_size=tp)
     return module.to(device), config

@@ -58,6 +58,14 @@ def test_zero_reproduces_megatron(tmp_path, data_root, reference, zero_stage):
 
 
 @pytest.mark.multiprocess
+def test_sdpa_attention_matches_the_local_attention(tmp_path, data_root, reference):
+    record = _run(tmp_path, "deepspeed", 1, {**SHORT, "data.root": data_root, "attention": "sdpa"})
+    assert record["layout"]["label"] == "zero1-dp1-sdpa"
+    for step, (mine, ref) in enumerate(zip(_losses(record), _losses(reference), strict=True)):
+        assert mine == pytest.approx(ref, rel=1e-5), f"step {step}: {mine} vs megatron {ref}"
+
+
+@pytest.mark.multiprocess
 def test_repeated_zero3_runs_exit_cleanly(tmp_path, data_root):
     """ZeRO-3 over gloo could abort at exit with an all-gather in flight (systems/deepspeed): an
     intermittent failure, so repeated launches (2 here and test_zero_reproduces_megatron[3]: the
@@ -95,17 +103,18 @@ def test_layout_and_defaults():
     assert cfg.options["zero_stage"] == 1
     assert layout.label == "zero1-dp2" and layout.num_devices == 2
     # overlap_comm unset is DeepSpeed's own default: off for ZeRO-1/2, on for ZeRO-3
-    assert layout.details == {"zero_stage": 1, "dp": 2, "recompute": False, "overlap_comm": False}
+    assert layout.details == {"zero_stage": 1, "dp": 2, "recompute": False, "overlap_comm": False, "attention": "local"}
     assert layout.module_dp == {"encoder": 2, "backbone": 2, "generator": 2}
     _, layout = resolve("deepspeed", "tiny", 4, {"zero_stage": 3})
     assert layout.label == "zero3-dp4"
-    assert layout.details == {"zero_stage": 3, "dp": 4, "recompute": False, "overlap_comm": True}
+    assert layout.details == {"zero_stage": 3, "dp": 4, "recompute": False, "overlap_comm": True, "attention": "local"}
 
 
 @pytest.mark.parametrize("sets, label", [
     ({"zero_stage": 1, "overlap_comm": True}, "zero1-dp2-ov"),
     ({"zero_stage": 3, "overlap_comm": False}, "zero3-dp2-noov"),
     ({"zero_stage": 2}, "zero2-dp2"),
+    ({"zero_stage": 1, "attention": "sdpa", "overlap_comm": True}, "zero1-dp2-sdpa-ov"),
 ])
 def test_overlap_comm_labels_round_trip(sets, label):
     from systems.base import get_system

@@ -1,9 +1,14 @@
 """DistTrain: per-module layouts reproduce the single-process Megatron run, loss and weights."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench.config import resolve
-from systems.base import ConfigError
+from systems.base import ConfigError, get_system
 from tests.helpers import assert_parity, assert_step_phases, run_record
+from workloads.presets import get_workload
 
 PLANS = [
     (4, "enc:1x2,llm:1x1x1,gen:1x1", "disaggregated"),   # DP fan-in at encoder -> backbone
@@ -42,3 +47,59 @@ def test_plan_reproduces_reference(tmp_path, reference, nproc, plan, placement):
 def test_bad_plans_are_refused_before_launch(nproc, sets, message):
     with pytest.raises(ConfigError, match=message):
         resolve("disttrain", "tiny", nproc, sets)
+
+
+@pytest.mark.parametrize("nproc, sets, label", [
+    (3, {"plan": "enc:1x1,llm:1x1x1,gen:1x1", "attention": "sdpa"}, "enc:1x1,llm:1x1x1,gen:1x1-sdpa"),
+    (2, {"plan": "enc:1x2,llm:1x1x2,gen:1x2", "placement": "colocated", "attention": "sdpa"},
+     "colocated enc:1x2,llm:1x1x2,gen:1x2-sdpa"),
+    (3, {"plan": "enc:1x1,llm:1x1x1,gen:1x1"}, "enc:1x1,llm:1x1x1,gen:1x1"),
+])
+def test_attention_option_labels_round_trip(nproc, sets, label):
+    _, layout = resolve("disttrain", "tiny", nproc, sets)
+    assert layout.label == label and layout.details["attention"] == sets.get("attention", "local")
+    adapter = get_system("disttrain")
+    again = adapter.layout({**adapter.options, **adapter.options_from_label(label)}, nproc, get_workload("tiny"), 8, 2)
+    assert again.label == label and again.details == layout.details
+    simulated = adapter.options_from_label("enc:1x4,llm:2x2x4,gen:1x4-ring-sdpa-rc-ov")
+    assert simulated["attention"] == "sdpa" and simulated["recompute"] and simulated["overlap"]
+    assert simulated["cp_comm"] == "ring" and simulated["plan"] == "enc:1x4,llm:2x2x4,gen:1x4"
+    with pytest.raises(ConfigError, match="attention='flash'"):
+        resolve("disttrain", "tiny", nproc, {**sets, "attention": "flash"})
+
+
+@pytest.mark.multiprocess
+def test_sdpa_attention_matches_the_local_attention(tmp_path, reference):
+    """torch SDPA in every module of the module pipeline (PP 2 inside it), on the CPU."""
+    record = run_record("disttrain", 4, {"plan": "enc:1x1,llm:1x2x1,gen:1x1", "attention": "sdpa"},
+                        tmp_path / "r.jsonl")
+    assert record["layout"]["label"] == "enc:1x1,llm:1x2x1,gen:1x1-sdpa"
+    assert_parity(record, reference, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_every_module_runs_the_attention_core_its_layout_names():
+    """build_module (both DistTrain runtimes build through it) puts the named core in every layer."""
+    code = """
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from bench.profile.measure import init_single_process
+from systems.mcore import build_module
+from workloads.presets import get_workload
+teardown = init_single_process(torch.device("cpu"))
+pg = ProcessGroupCollection.use_mpu_process_groups()
+for attention in ("local", "sdpa"):
+    for name in ("encoder", "backbone", "generator"):
+        module, _ = build_module(name, get_workload("tiny"), 1, 1, pg, torch.float32, 1, torch.device("cpu"), attention)
+        cores = sorted({type(m.core_attention).__name__ for m in module.modules() if hasattr(m, "core_attention")})
+        print(attention, name, cores)
+teardown()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        want = "DotProductAttention" if line.startswith("local") else "SDPAttention"
+        assert line.endswith(f"['{want}']"), line

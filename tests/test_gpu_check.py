@@ -271,16 +271,18 @@ teardown()
 
 @pytest.mark.multiprocess
 def test_the_checks_bf16_runs_train_on_cpu_near_the_fp32_loss(tmp_path, reference):
-    """The GPU check's runs (every system at one process, dtype=bf16) on the CPU: each trains
-    `tiny` within bf16's rounding of the fp32 reference (measured: 1.4e-4 relative at most) and
-    not exactly on it (bf16 really used); Megatron and DistTrain run the same bf16 arithmetic,
+    """The GPU check's runs (one process, dtype=bf16; local attention and SDPA) on the CPU: each
+    trains `tiny` within bf16's rounding of the fp32 reference (measured: 1.4e-4 relative at most)
+    and not exactly on it (bf16 really used); Megatron and DistTrain run the same bf16 arithmetic,
     DeepSpeed's optimizer rounds its own way (2e-5)."""
-    runs = {system: losses(run_record(system, 1, {"dtype": "bf16", **sets}, tmp_path / "r.jsonl"))
-            for system, sets in (("megatron", {}), ("deepspeed", {}),
-                                 ("disttrain", {"plan": "enc:1x1,llm:1x1x1,gen:1x1", "placement": "colocated"}))}
+    colocated = {"plan": "enc:1x1,llm:1x1x1,gen:1x1", "placement": "colocated"}
+    runs = {(system, sets.get("attention", "local")): losses(run_record(system, 1, {"dtype": "bf16", **sets},
+                                                                         tmp_path / "r.jsonl"))
+            for system, sets in (("megatron", {}), ("deepspeed", {}), ("megatron", {"attention": "sdpa"}),
+                                 ("disttrain", {**colocated, "attention": "sdpa"}))}
     fp32 = losses(reference)
-    for system, got in runs.items():
-        assert got != fp32, f"{system}: the bf16 run gave the fp32 losses to the bit: dtype=bf16 was not used"
-        assert all(abs(g - w) <= 1e-3 * abs(w) for g, w in zip(got, fp32, strict=True)), (system, got, fp32)
-    assert runs["disttrain"] == pytest.approx(runs["megatron"], rel=1e-6)
-    assert runs["deepspeed"] == pytest.approx(runs["megatron"], rel=1e-4)
+    for run, got in runs.items():
+        assert got != fp32, f"{run}: the bf16 run gave the fp32 losses to the bit: dtype=bf16 was not used"
+        assert all(abs(g - w) <= 1e-3 * abs(w) for g, w in zip(got, fp32, strict=True)), (run, got, fp32)
+    assert runs["disttrain", "sdpa"] == pytest.approx(runs["megatron", "sdpa"], rel=1e-6)
+    assert runs["deepspeed", "local"] == pytest.approx(runs["megatron", "local"], rel=1e-4)

@@ -36,6 +36,21 @@ def test_config_key_ignores_tags_only():
     assert config_key(a) == config_key(b) == config_key(a.to_dict()) != config_key(c)
 
 
+def test_an_option_added_later_keeps_the_config_key_at_its_default():
+    """attention came to DeepSpeed and DistTrain on 5 Dec 2026: their repeats recorded before keep
+    their configuration (Megatron's key always held it)."""
+    for system, sets in (("deepspeed", {}), ("disttrain", {"plan": "enc:1x1,llm:1x1x1,gen:1x1"})):
+        cfg, _ = resolve(system, "tiny", 3 if system == "disttrain" else 2, sets)
+        before = cfg.to_dict()
+        before["options"] = {k: v for k, v in before["options"].items() if k != "attention"}
+        sdpa, _ = resolve(system, "tiny", 3 if system == "disttrain" else 2, {**sets, "attention": "sdpa"})
+        assert config_key(cfg) == config_key(before) != config_key(sdpa)
+    cfg, _ = resolve("megatron", "tiny", 2, {})
+    before = cfg.to_dict()
+    before["options"] = {k: v for k, v in before["options"].items() if k != "attention"}
+    assert config_key(cfg) != config_key(before)
+
+
 def test_sweep_repeats_are_interleaved(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text(TWO_ENTRIES)

@@ -645,6 +645,7 @@ def test_plan_auto_through_the_adapter():
     from bench.config import resolve
     cfg, layout = resolve("disttrain", "tiny", 4, {"plan": "auto"})
     assert cfg.options["plan"] != "auto" and layout.details["layout_choice"] == "auto"
+    assert cfg.options["attention"] == "local"          # what this CPU's profile measured
     assert layout.label.endswith(cfg.options["plan"])
     cfg, layout = resolve("disttrain", "tiny", 2, {"plan": "auto"})   # too few ranks to disaggregate
     assert cfg.options["placement"] == "colocated" and layout.details["auto"]["candidates_s"]["disaggregated"] is None
@@ -955,3 +956,13 @@ def test_slow_preprocessing_shows_as_data_wait_for_trainers_not_for_disaggregate
     plan = {"plan": "enc:1x2,llm:2x2x2,gen:1x2"}
     dis = simulate(w, "disttrain", plan, 12, slow, num_batches=1, global_batch_size=32)
     assert dis["data_wait_fraction"] == 0.0
+
+
+def test_gpu_layout_searches_name_the_fused_attention_they_price():
+    """The cost model prices a fused attention core on GPUs (bench.sim.gemm); the H200 check
+    measured megatron-core's unfused one at 17-25% MFU against 59-62% with SDPA, so every
+    system's GPU layout says sdpa, a recipe that runs as priced."""
+    for system in ("megatron", "deepspeed", "disttrain"):
+        r = simulate_record("mllm-9b", system, 16, options="auto", num_batches=1, global_batch_size=32)
+        assert r["status"] == "ok" and "-sdpa" in r["layout"]["label"], (system, r["layout"]["label"])
+        assert r["layout"]["attention"] == "sdpa"

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from systems.base import MODULES, ConfigError, Layout, StepOutput, SystemAdapter, register
+from systems.base import MODULES, ConfigError, Layout, StepOutput, SystemAdapter, attention_option, register
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed's own default: ZeRO-3 keeps parameters up to this many elements unpartitioned.
@@ -83,10 +83,11 @@ class DeepSpeedSystem(SystemAdapter):
     # unpartitioned (DeepSpeed's default). 0 partitions every parameter, even in tiny models.
     # dp: 0 = every device; recompute (full activation recomputation) is simulated only.
     # overlap_comm: None is DeepSpeed's default (on for ZeRO-3 only); the label marks a departure
-    # from it (-ov on ZeRO-1/2, -noov on ZeRO-3).
+    # from it (-ov on ZeRO-1/2, -noov on ZeRO-3). attention: local or sdpa (systems.base.ATTENTION).
     options = {"zero_stage": 1, "persistence_threshold": DEFAULT_PERSISTENCE_THRESHOLD, "dp": 0, "recompute": False,
-               "overlap_comm": None}
+               "overlap_comm": None, "attention": "local"}
     sim_module = "systems.deepspeed.sim"
+    key_skips_defaults = frozenset({"attention"})      # added 5 Dec 2026
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         stage = _zero_stage(options)
@@ -102,18 +103,20 @@ class DeepSpeedSystem(SystemAdapter):
         if global_batch_size % (micro_batch_size * dp):
             raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size}"
                               f" x dp {dp}; change --nproc, micro_batch_size or global_batch_size")
-        ov = _overlap_comm(options, stage)
+        ov, attention = _overlap_comm(options, stage), attention_option(options)
         mark = "" if ov == (stage == 3) else ("-ov" if ov else "-noov")
-        return Layout(label=f"zero{stage}-dp{dp}" + mark + ("-rc" if rc else ""), num_devices=dp,
-                      details={"zero_stage": stage, "dp": dp, "recompute": rc, "overlap_comm": ov},
+        label = f"zero{stage}-dp{dp}" + ("-sdpa" if attention == "sdpa" else "") + mark + ("-rc" if rc else "")
+        return Layout(label=label, num_devices=dp,
+                      details={"zero_stage": stage, "dp": dp, "recompute": rc, "overlap_comm": ov,
+                               "attention": attention},
                       module_dp=dict.fromkeys(MODULES, dp))
 
     def options_from_label(self, label: str) -> dict:
-        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-ov|-noov)?(-rc)?", label.strip())
+        m = re.fullmatch(r"zero(\d)(?:-dp(\d+))?(-sdpa)?(-ov|-noov)?(-rc)?", label.strip())
         if not m:
-            raise ConfigError(f"deepspeed layout {label!r}: write zeroZ[-dpD][-ov|-noov][-rc] (e.g. zero3-dp8)")
-        return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[4]),
-                "overlap_comm": {"-ov": True, "-noov": False}.get(m[3])}
+            raise ConfigError(f"deepspeed layout {label!r}: write zeroZ[-dpD][-sdpa][-ov|-noov][-rc] (e.g. zero3-dp8)")
+        return {"zero_stage": int(m[1]), "dp": int(m[2] or 0), "recompute": bool(m[5]),
+                "overlap_comm": {"-ov": True, "-noov": False}.get(m[4]), "attention": "sdpa" if m[3] else "local"}
 
     def profile_host(self, workload, processes, spawn) -> dict | None:
         """The coalesced gradient reduction and engine.step() at ZeRO-1 (systems.deepspeed.host_profile)."""
@@ -149,7 +152,7 @@ class DeepSpeedSystem(SystemAdapter):
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         model = MLLMStage(ctx.workload, tp_size=1, pp_size=1, pp_rank=0, pg=pg, dtype=ctx.dtype,
-                          seed=ctx.seed).to(ctx.device)
+                          seed=ctx.seed, attention=ctx.layout.details.get("attention", "local")).to(ctx.device)
 
         optim = ctx.optim
         # Megatron's "adam" without TransformerEngine/apex is torch.optim.AdamW (decoupled weight

@@ -11,7 +11,7 @@ on every rank, each with its own TP/DP, and regroups boundary tensors in place.
 from __future__ import annotations
 
 from systems import cp as CP
-from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, register
+from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, attention_option, register
 from systems.disttrain.plan import PLACEMENTS, layout_entry, parse_plan, validate_plan
 
 
@@ -22,8 +22,11 @@ class DistTrainSystem(SystemAdapter):
     # reduce-scatter / all-gather hidden behind its backward / forward, as Megatron's DDP does) are
     # simulated only: the measured runtime syncs after its own flush.
     # cp_comm: the backbone's context-parallel pattern when its plan entry has CP > 1 (systems.cp).
-    options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False, "cp_comm": "a2a"}
+    # attention: every module's attention core, local or sdpa (systems.base.ATTENTION).
+    options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False, "cp_comm": "a2a",
+               "attention": "local"}
     sim_module = "systems.disttrain.sim"
+    key_skips_defaults = frozenset({"attention"})      # added 5 Dec 2026
     search_keeps = frozenset({"placement"})
     records_timeline = True
     reorders_data = True
@@ -41,7 +44,7 @@ class DistTrainSystem(SystemAdapter):
         colocated = options["placement"] == "colocated"
         if ov and colocated:
             raise ConfigError("overlap=True is modeled for the disaggregated placement only; drop it for colocated")
-        comm = options.get("cp_comm", "a2a")
+        comm, attention = options.get("cp_comm", "a2a"), attention_option(options)
         if comm not in CP.PATTERNS:
             raise ConfigError(f"cp_comm={comm!r}; choose a2a (DeepSpeed Ulysses) or ring (ring attention)")
         plan = parse_plan(options["plan"], nproc, colocated, exact=not simulated)
@@ -49,10 +52,11 @@ class DistTrainSystem(SystemAdapter):
         cp = plan.modules["backbone"].cp
         used = plan.modules["backbone"].size if colocated else sum(p.size for p in plan.modules.values())
         details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc, "overlap": ov,
-                   "cp": cp, "cp_comm": comm if cp > 1 else None,
+                   "cp": cp, "cp_comm": comm if cp > 1 else None, "attention": attention,
                    "modules": {n: layout_entry(p) for n, p in plan.modules.items()}}
         ring = cp > 1 and comm == "ring"
-        return Layout(label=plan.label() + ("-ring" if ring else "") + ("-rc" if rc else "") + ("-ov" if ov else ""),
+        suffix = ("-ring" if ring else "") + ("-sdpa" if attention == "sdpa" else "") + ("-rc" if rc else "")
+        return Layout(label=plan.label() + suffix + ("-ov" if ov else ""),
                       num_devices=used, details=details, module_dp={n: p.dp for n, p in plan.modules.items()},
                       canonical_groups=plan.canonical_groups)
 
@@ -61,11 +65,12 @@ class DistTrainSystem(SystemAdapter):
         colocated = text.startswith("colocated ")
         text = text.removeprefix("colocated ").strip()
         flags = {}
-        for key, suffix in (("overlap", "-ov"), ("recompute", "-rc"), ("ring", "-ring")):
+        for key, suffix in (("overlap", "-ov"), ("recompute", "-rc"), ("sdpa", "-sdpa"), ("ring", "-ring")):
             flags[key] = text.endswith(suffix)
             text = text.removesuffix(suffix)
         return {"plan": text, "placement": PLACEMENTS[colocated], "recompute": flags["recompute"],
-                "overlap": flags["overlap"], "cp_comm": "ring" if flags["ring"] else "a2a"}
+                "overlap": flags["overlap"], "cp_comm": "ring" if flags["ring"] else "a2a",
+                "attention": "sdpa" if flags["sdpa"] else "local"}
 
     def setup(self, ctx) -> None:
         from systems import mcore

@@ -61,8 +61,9 @@ class ColocatedRuntime:
                                                         ep_rank=0, etp_rank=0)
         self.modules, self.models, self.optimizers = {}, {}, {}
         for name in MODULES:
-            module, config = build_module(name, ctx.workload, plan.modules[name].tp, plan.modules[name].pp, self.pg[name], ctx.dtype,
-                                          ctx.seed, ctx.device)
+            mp = plan.modules[name]
+            module, config = build_module(name, ctx.workload, mp.tp, mp.pp, self.pg[name], ctx.dtype, ctx.seed,
+                                          ctx.device, ctx.layout.details.get("attention", "local"))
             self.modules[name] = module
             self.models[name] = mcore.wrap_ddp(module, config, self.pg[name])
             self.optimizers[name] = mcore.build_optimizer([self.models[name]], ctx.optim, ctx.dtype,

@@ -48,7 +48,7 @@ class PipelineRuntime:
         self.tp_rank, self.pp_rank, self.dp_rank = pg.tp.rank(), pg.pp.rank(), pg.dp.rank()
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
         self.module, self.config = build_module(self.name, ctx.workload, self.mp.tp, self.mp.pp, pg, ctx.dtype, ctx.seed,
-                                                ctx.device)
+                                                ctx.device, ctx.layout.details.get("attention", "local"))
         self.updates = mcore.UpdateTracker({self.name: self.module}, {self.name: self.tp_rank},
                                             {self.name: self.dp_rank})
         self.model = mcore.wrap_ddp(self.module, self.config, pg)

@@ -21,7 +21,8 @@ One TP/PP/DP layout for the whole MLLM, plus the knobs practitioners turn on (is
            25 + 7 at TP 8; bench.sim.costs.padded_heads; details["padded_heads"]), measured runs refuse.
   attention local (megatron-core's unfused DotProductAttention) or sdpa (torch's
            scaled_dot_product_attention) in the measured runs. The simulator prices the attention
-           core as fused (FlashAttention, bench.sim.gemm) whichever is named.
+           core as fused (FlashAttention, bench.sim.gemm) on a GPU whichever is named; its GPU
+           layout search names sdpa (systems.base.simulated_attention).
 Label: tpT[-cpC]-ppP-dpD[-vppV][-sp][-ring][-sdpa][-ov][-rc] (-cpC when cp > 1, -ring when
 cp_comm=ring and cp > 1); the older tpT-ppP-dpD[-vppV][-sp][-ov][-rc] labels parse unchanged.
 """
@@ -30,11 +31,10 @@ from __future__ import annotations
 import re
 
 from systems import cp as CP
-from systems.base import MODULES, ConfigError, Layout
+from systems.base import MODULES, ConfigError, Layout, attention_option
 
 OPTIONS = {"tp": 1, "pp": 1, "dp": 0, "recompute": False, "sp": False, "vpp": 1, "overlap": False,
            "cp": 1, "cp_comm": "a2a", "attention": "local"}
-ATTENTION = ("local", "sdpa")
 _LABEL = re.compile(r"tp(\d+)(?:-cp(\d+))?-pp(\d+)-dp(\d+)(?:-vpp(\d+))?(-sp)?(-ring)?(-sdpa)?(-ov)?(-rc)?")
 _LABEL_FORM = "tpT[-cpC]-ppP-dpD[-vppV][-sp][-ring][-sdpa][-ov][-rc]"
 
@@ -70,14 +70,11 @@ def options_from_label(text: str) -> dict:
 
 def _context(options, simulated: bool) -> tuple[int, str, str]:
     """(cp, cp_comm, attention) checked on their own (the workload's rules: systems.cp.rule)."""
-    cp, comm, attention = options.get("cp", 1), options.get("cp_comm", "a2a"), options.get("attention", "local")
+    cp, comm, attention = options.get("cp", 1), options.get("cp_comm", "a2a"), attention_option(options)
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"cp={cp!r}: give the backbone's context-parallel size, an integer >= 1")
     if comm not in CP.PATTERNS:
         raise ConfigError(f"cp_comm={comm!r}; choose a2a (DeepSpeed Ulysses) or ring (ring attention, simulated only)")
-    if attention not in ATTENTION:
-        raise ConfigError(f"attention={attention!r}; choose local (megatron-core DotProductAttention) or sdpa "
-                          f"(torch scaled_dot_product_attention)")
     if comm == "ring" and cp > 1 and not simulated:
         raise ConfigError(CP.RING_MEASURED)
     return cp, comm, attention
