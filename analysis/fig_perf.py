@@ -114,16 +114,19 @@ def speedup(data):
 
 def scaling_panels(best: pd.DataFrame) -> dict[tuple, pd.DataFrame]:
     """(workload, data profile, cluster) -> its rows: a panel per simulated cluster, each with the
-    measured runs of its workload beside (two clusters' curves never merge); a workload nobody
-    simulated gets one panel of its measured runs, its cluster "measured"."""
+    measured runs of its workload beside where they come from one device kind (two clusters'
+    curves never merge); measured runs of several device kinds, or of a workload nobody
+    simulated, get a panel per device kind ("measured on cpu")."""
     panels = {}
     for (workload, profile), df in best.groupby(["workload", "data_profile"], sort=False):
         measured = df[df["mode"] == "measured"]
         simulated = df[df["mode"] != "measured"]
+        beside = measured if measured["cluster"].nunique() == 1 else measured.iloc[:0]
         for cluster, sim in simulated.groupby("cluster", sort=True):
-            panels[(workload, profile, cluster)] = pd.concat([measured, sim])
-        if simulated.empty:
-            panels[(workload, profile, "measured")] = measured
+            panels[(workload, profile, cluster)] = pd.concat([beside, sim])
+        if simulated.empty or beside.empty:
+            for device, own in measured.groupby("cluster", sort=True):
+                panels[(workload, profile, f"measured on {device}")] = own
     return panels
 
 

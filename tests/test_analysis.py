@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from analysis import load as load_mod  # noqa: E402
@@ -459,6 +460,11 @@ def test_records_of_two_clusters_are_never_compared(tmp_path):
     panels = scaling_panels(best)
     assert sorted(panels) == [("mllm-72b", "heterogeneous", "h100-ib"), ("mllm-72b", "heterogeneous", "h200-ib")]
     assert all(len(df) == 4 and df["cluster"].nunique() == 1 for df in panels.values())
+    # measured runs of one workload on two device kinds: a panel each, beside no simulated cluster
+    measured = best.assign(mode="measured", cluster=["cpu"] * 4 + ["cuda"] * 4)
+    panels = scaling_panels(pd.concat([measured, best]))
+    assert sorted(k[2] for k in panels) == ["h100-ib", "h200-ib", "measured on cpu", "measured on cuda"]
+    assert all(df["cluster"].nunique() == 1 for df in panels.values())
 
 
 def test_paper_table_gives_the_72b_mfu_of_each_cluster_with_its_compute_source(tmp_path):
