@@ -1,6 +1,7 @@
 """Shared by the multi-process tests: run one configuration through the real runner."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from bench.config import resolve
@@ -40,13 +41,19 @@ SKEW_RATIO, SKEW_S = 1.2, 0.05
 def assert_step_phases(record: dict, nproc: int) -> None:
     """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
     took time, together no longer than the step (up to the ranks' skew) and, for the slowest
-    rank, most of it; and timed its schedule's CPU seconds: some, and no more than one thread
+    rank, most of it in the median step; and timed its schedule's CPU seconds: some, and no more than one thread
     can spend in the schedule's wall seconds."""
+    covered = []
     for s in record["steps"]:
         ph = s["rank_phase_s"]
         assert set(ph) == {"compute", "grad_sync", "optimizer"} and all(len(v) == nproc for v in ph.values())
         assert all(x >= 0 for v in ph.values() for x in v) and min(ph["compute"]) > 0
         sums = [sum(ph[k][r] for k in ph) for r in range(nproc)]
-        assert 0.5 * s["latency_s"] <= max(sums) <= SKEW_RATIO * s["latency_s"] + SKEW_S, (sums, s["latency_s"])
+        assert max(sums) <= SKEW_RATIO * s["latency_s"] + SKEW_S, (sums, s["latency_s"])
+        covered.append(max(sums) / s["latency_s"])
         cpu = s["rank_compute_cpu_s"]
         assert len(cpu) == nproc and all(0 < c <= w + 0.01 for c, w in zip(cpu, ph["compute"])), (cpu, ph["compute"])
+    # Most of the step, in the median step: a phase left untimed shows in every step, while one
+    # step can stall outside the phases (a DeepSpeed ZeRO-3 step on tiny once read 0.10 s of
+    # phases in a 0.47 s step, where the others cover ~90%).
+    assert statistics.median(covered) >= 0.5, covered
