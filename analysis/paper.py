@@ -103,4 +103,5 @@ def paper_section(runs: pd.DataFrame, baseline: str | None) -> list[str]:
           "workload (best over the simulated records), and the assumption that differs. Constants are "
           "measured or cited, never tuned toward these numbers.", ""]
     # whole cells: "what differs" is the point of this table
-    return md + (markdown_table(pd.DataFrame(rows), limit=None) if rows else ["No simulated records to compare."]) + [""]
+    table = markdown_table(pd.DataFrame(rows), limit=None) if rows else ["No simulated records to compare."]
+    return md + table + [""]

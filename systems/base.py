@@ -232,9 +232,12 @@ class SystemAdapter(ABC):
         the search must keep (e.g. disttrain's placement); a search that cannot keep one refuses."""
         if self.sim_module is None:
             raise ConfigError(f"system {self.name!r} has no layout search; give its layout explicitly")
-        return importlib.import_module(self.sim_module).search(
+        found = importlib.import_module(self.sim_module).search(
             workload, num_devices, cluster, kit, seed=seed, global_batch_size=global_batch_size,
             micro_batch_size=micro_batch_size, exact=exact, fixed=fixed or {})
+        if found is not None and "attention" in self.options:     # a system whose layers take one
+            found["options"] = {"attention": simulated_attention(cluster), **found["options"]}
+        return found
 
     # ---- profiling ---------------------------------------------------------------------------
     def profile_host(self, workload: Workload, processes: int, spawn) -> dict[str, Any] | None:
@@ -290,6 +293,6 @@ def get_system(name: str) -> SystemAdapter:
     return _REGISTRY[name]()
 
 
-__all__ = ["MODULES", "ATTENTION", "attention_option", "simulated_attention", "ConfigError",
+__all__ = ["MODULES", "ATTENTION", "attention_option", "ConfigError",
            "Layout", "OptimConfig", "TrainContext", "TimelineEvent", "StepOutput",
            "SimStep", "StepCost", "SystemAdapter", "register", "system_names", "baseline_names", "get_system"]

@@ -41,8 +41,8 @@ SKEW_RATIO, SKEW_S = 1.2, 0.05
 def assert_step_phases(record: dict, nproc: int) -> None:
     """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
     took time, together no longer than the step (up to the ranks' skew) and, for the slowest
-    rank, most of it in the median step; and timed its schedule's CPU seconds: some, and no more than one thread
-    can spend in the schedule's wall seconds."""
+    rank, most of it in the median step; and timed its schedule's CPU seconds: some, and no more
+    than one thread can spend in the schedule's wall seconds."""
     covered = []
     for s in record["steps"]:
         ph = s["rank_phase_s"]

@@ -454,7 +454,8 @@ def test_records_of_two_clusters_are_never_compared(tmp_path):
     from analysis.repeats import best_layouts
     best = best_layouts(runs, baseline="megatron")
     assert len(best) == 8
-    speedup = {(r["cluster"], r["system"]): round(r["speedup"], 6) for _, r in best[best["num_devices"] == 64].iterrows()}
+    speedup = {(r["cluster"], r["system"]): round(r["speedup"], 6)
+               for _, r in best[best["num_devices"] == 64].iterrows()}
     assert speedup == {("h100-ib", "megatron"): 1.0, ("h100-ib", "disttrain"): 1.5,
                        ("h200-ib", "megatron"): 1.0, ("h200-ib", "disttrain"): round(2 / 3, 6)}
     panels = scaling_panels(best)

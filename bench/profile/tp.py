@@ -54,8 +54,8 @@ slower rank's schedule took 0.97-1.05x its priced work, where the simulator, at 
 read its steps 9-11% slow. So the co-run is also measured as a 2-process run has it ("sole":
 `procs` copies and no other process of the profile), and the simulator takes that where a run
 has no more processes than cores, linear to the co-run with idle copies beside at two processes
-per core (Cluster.schedule_corun). Two processes per core cost more again: each switch between them on a core
-refills its caches, so 4 copies on the 2 cores took 1.13-1.25x
+per core (Cluster.schedule_corun). Two processes per core cost more again: each switch between
+them on a core refills its caches, so 4 copies on the 2 cores took 1.13-1.25x
 (small) the CPU seconds of one alone. There the wall ratio is divided by the two processes' fair
 share of a core (x2), which the simulator's processor sharing already gives. The simulator slows
 compute by these factors with that many processes busy (bench.sim.schedule.contention): a

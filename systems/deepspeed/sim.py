@@ -24,7 +24,7 @@ from itertools import product
 
 import numpy as np
 
-from systems.base import MODULES, ConfigError, StepCost, simulated_attention
+from systems.base import MODULES, ConfigError, StepCost
 from workloads.reorder import ModuleCost, intra_microbatch_assign
 
 
@@ -129,8 +129,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
         batch = global_batch_size
     best = None
     for z, rc in product((1, 2, 3), (False,) if exact else (False, True)):
-        options = {"zero_stage": z, "dp": dp, "recompute": rc, "overlap_comm": True,
-                   "attention": simulated_attention(cluster)}
+        options = {"zero_stage": z, "dp": dp, "recompute": rc, "overlap_comm": True}
         r = kit.simulate(w, "deepspeed", options, num_devices, cluster, seed=seed, num_batches=1,
                          global_batch_size=batch, micro_batch_size=micro_batch_size)
         if r["feasible"] and (best is None or r["iteration_time_s"] < best["estimate_s"]):

@@ -29,7 +29,7 @@ from itertools import product
 import numpy as np
 
 from systems import cp as CP
-from systems.base import ConfigError, simulated_attention
+from systems.base import ConfigError
 from systems.disttrain.plan import PLACEMENTS, parse_plan, plan_text, validate_plan
 
 
@@ -355,8 +355,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     if not found:
         return None
     plan = min(found, key=lambda p: (per_sample(p, "simulated_s"), plan_text(p)))
-    options = {**options_of(plan), "attention": simulated_attention(cluster)}
-    return {"options": options, "estimate_s": plan.get("estimate_s", plan["simulated_s"]),
+    return {"options": options_of(plan), "estimate_s": plan.get("estimate_s", plan["simulated_s"]),
             "simulated_s": plan["simulated_s"], "global_batch_size": plan["global_batch_size"], "search": how,
             "candidates_s": {"disaggregated": disaggregated and disaggregated.get("simulated_s"),
                              "colocated": colocated and colocated["simulated_s"]}}

@@ -27,7 +27,7 @@ from itertools import product
 import numpy as np
 
 from systems import cp as CP
-from systems.base import ConfigError, StepCost, simulated_attention
+from systems.base import ConfigError, StepCost
 from workloads.reorder import ModuleCost, intra_microbatch_assign
 
 
@@ -284,8 +284,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
             vpp = min(v for v, t in scores.items() if t <= (1 + VPP_TOLERANCE) * top)
             if best is None or scores[vpp] / batch < best["estimate_s"] / best["global_batch_size"]:
                 best = {"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": tp > 1, "vpp": vpp,
-                                    "overlap": True, "cp": cp, "cp_comm": comm,
-                                    "attention": simulated_attention(cluster)},
+                                    "overlap": True, "cp": cp, "cp_comm": comm},
                         "estimate_s": scores[vpp], "global_batch_size": batch}
     if best is not None:
         best["search"] = ("every (tp, cp, pp, dp, vpp, recompute) with sequence parallelism (TP > 1), DP overlap and "
