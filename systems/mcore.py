@@ -6,6 +6,8 @@ make DDP actually reduce gradients (without them DP grads are silently not avera
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -98,10 +100,12 @@ class UpdateTracker:
         return out
 
 
-def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, device, attention: str = "local"):
+def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, device, attention: str = "local",
+                 vpp: int = 1, vp_stage: int = 0):
     """One module of the MLLM (or one backbone stage) with its own process groups `pg`, at
-    TP `tp` (backbone: PP `pp`), its attention core `attention` (workloads.attention): (module,
-    its TransformerConfig) on this rank; weights are the canonical ones every system starts from
+    TP `tp` (backbone: PP `pp`, and with `vpp` chunks per rank its chunk `vp_stage`, virtual stage
+    vp_stage x pp + pp rank), its attention core `attention` (workloads.attention): (module, its
+    TransformerConfig) on this rank; weights are the canonical ones every system starts from
     (same global parameter names)."""
     from workloads.init import canonical_init_                # imports megatron-core: only when building
     from workloads.model import Backbone, ImageEncoder, ImageGenerator, module_config
@@ -111,8 +115,11 @@ def build_module(name: str, workload, tp: int, pp: int, pg, dtype, seed: int, de
         pp_rank = pg.pp.rank()
         config = module_config(shape, tp_size=tp, pp_size=pp, gated=True, dtype=dtype,
                                num_query_groups=shape.num_query_groups)
-        module = Backbone(workload, config, pg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
-                          attention=attention)
+        if vpp > 1:
+            config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=vpp)
+        module = Backbone(workload, config, pg, pre_process=pp_rank == 0 and vp_stage == 0,
+                          post_process=pp_rank == pp - 1 and vp_stage == vpp - 1,
+                          vp_stage=vp_stage if vpp > 1 else None, attention=attention)
         layers = module.decoder.layers
         offset = layers[0].layer_number - 1 if len(layers) else 0
         canonical_init_(module, prefix="backbone", seed=seed, tp_rank=tp_rank, tp_size=tp,

@@ -103,3 +103,45 @@ teardown()
     for line in lines:
         want = "DotProductAttention" if line.startswith("local") else "SDPAttention"
         assert line.endswith(f"['{want}']"), line
+
+
+@pytest.mark.parametrize("nproc, sets, message", [
+    (2, {"plan": "enc:1x2,llm:1x1x2,gen:1x2", "placement": "colocated", "vpp": 2}, "disaggregated placement"),
+    (3, {"plan": "enc:1x1,llm:1x1x1,gen:1x1", "vpp": 2}, "llm pp > 1"),
+    (4, {"plan": "enc:1x1,llm:1x2x1,gen:1x1", "vpp": 2}, "does not divide its 2 layers"),
+    (4, {"plan": "enc:1x1,llm:1x2x1,gen:1x1", "vpp": "two"}, "vpp=.two. is not a valid int"),
+])
+def test_bad_interleaving_is_refused_before_launch(nproc, sets, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve("disttrain", "tiny", nproc, sets)
+    with pytest.raises(ConfigError, match="a multiple of pp=2"):
+        resolve("disttrain", "small-gen-heavy", 4, {"plan": "enc:1x1,llm:1x2x1,gen:1x1", "vpp": 2,
+                                                    "global_batch_size": 6})
+
+
+def test_interleaved_labels_round_trip():
+    adapter = get_system("disttrain")
+    _, layout = resolve("disttrain", "small-gen-heavy", 4, {"plan": "enc:1x1,llm:1x2x1,gen:1x1", "vpp": 2,
+                                                            "attention": "sdpa"})
+    assert layout.label == "enc:1x1,llm:1x2x1,gen:1x1-vpp2-sdpa" and layout.details["vpp"] == 2
+    options = adapter.options_from_label("enc:1x13,llm:4x4x4x18,gen:1x7-vpp5-ring-sdpa-ov")
+    assert options["vpp"] == 5 and options["plan"] == "enc:1x13,llm:4x4x4x18,gen:1x7" and options["cp_comm"] == "ring"
+    assert adapter.options_from_label("enc:1x1,llm:1x2x1,gen:1x1")["vpp"] == 1
+
+
+@pytest.mark.multiprocess
+def test_interleaved_backbone_reproduces_the_single_process_run(tmp_path):
+    """Two chunks per backbone rank (pp 2: the wrap-around and the gradients share one stream),
+    two backbone replicas fed by one encoder and feeding one generator. Interleaving needs
+    pp x vpp dividing the backbone's layers: small-gen-heavy has 4 (tiny 2)."""
+    sets = {"steps": 2, "global_batch_size": 8, "data.num_samples": 16}
+    want = run_record("megatron", 1, sets, tmp_path / "a.jsonl", workload="small-gen-heavy")
+    got = run_record("disttrain", 6, {**sets, "plan": "enc:1x1,llm:1x2x2,gen:1x1", "vpp": 2}, tmp_path / "b.jsonl",
+                     workload="small-gen-heavy")
+    assert got["layout"]["label"] == "enc:1x1,llm:1x2x2,gen:1x1-vpp2"
+    assert [s["loss"] for s in got["steps"]] == pytest.approx([s["loss"] for s in want["steps"]], rel=1e-6)
+    for module in ("encoder", "backbone", "generator"):
+        assert got["metrics"]["weight_update_norm"][module] == pytest.approx(
+            want["metrics"]["weight_update_norm"][module], rel=1e-5), module
+    chunks = [e for e in got["steps"][-1]["timeline"] if e["module"] == "backbone" and e["kind"] == "fwd"]
+    assert len(chunks) == 4 * 2 * 2          # 4 backbone ranks, each 2 microbatches x 2 chunks

@@ -9,7 +9,7 @@ operations in megatron-core 0.16.1's order (pipeline_parallel/schedules.py,
 microbatch i is chunk (i // p) % v of microbatch (i // (p v)) p + i % p, backward i the same with
 chunk v - 1 - (i // p) % v; (p - s - 1) 2 + (v - 1) p warm-up forwards (all of them if that
 covers m v), then pairs (next forward, oldest backward), then the remaining backwards. Needs m
-a multiple of p, as megatron-core does. An operation starts when its device is free and its
+a multiple of p, as megatron-core does (systems.pipeline_order). An operation starts when its device is free and its
 input exists (same recurrence as bench.sim.schedule.one_f_one_b, which this equals at v = 1).
 Equal chunks of t / v per microbatch give (m + (p - 1) / v) t: the bubble shrinks from
 (p - 1) / m to (p - 1) / (v m) of the compute.
@@ -19,48 +19,57 @@ from __future__ import annotations
 import numpy as np
 
 from bench.sim.schedule import ScheduleResult, bubble_fraction
+from systems.pipeline_order import boundary_ops, encoder_actions, generator_actions, interleaved_ops as device_ops
 
 
-def device_ops(s: int, p: int, v: int, m: int) -> list[tuple[int, int, int]]:
-    """(kind, chunk, microbatch) in execution order on device s; kind 0 = forward, 1 = backward."""
-    if v > 1 and m % p:
-        raise ValueError(f"interleaved 1F1B needs microbatches ({m}) a multiple of the stages ({p})")
-    total = m * v
-
-    def op(i: int, kind: int) -> tuple[int, int, int]:
-        c = (i // p) % v
-        return kind, (v - 1 - c if kind else c), (i // (p * v)) * p + i % p
-
-    # v = 1: the non-interleaved schedule's p - s - 1 (bench.sim.schedule.stage_ops).
-    warm = min(total, p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p)
-    ops = [op(i, 0) for i in range(warm)]
-    for i in range(total - warm):
-        ops += [op(warm + i, 0), op(i, 1)]
-    return ops + [op(i, 1) for i in range(total - warm, total)]
-
-
-def interleaved_1f1b(fwd, bwd, links, v: int, weights=None) -> ScheduleResult:
+def interleaved_1f1b(fwd, bwd, links, v: int, weights=None, ends: bool = False) -> ScheduleResult:
     """fwd, bwd: [m, p v] durations per virtual stage; links: p v - 1 transfer delays (or None).
-    Busy, stage_end and the bubble are per device (p of them)."""
+    Busy, stage_end and the bubble are per device (p of them).
+    ends: columns 0 and -1 are two more devices around the p v virtual stages, DistTrain's
+    encoder and generator (systems.disttrain.interleaved): [m, p v + 2] durations, p v + 1 links,
+    p + 2 devices, in the order systems.pipeline_order gives DistTrain's runtime (one extra
+    warm-up forward per pipeline device for the generator; encoder_actions, generator_actions)."""
     fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
-    m, V = fwd.shape
-    if V % v or bwd.shape != fwd.shape:
-        raise ValueError(f"fwd and bwd must both be [m, p x {v}]; got {fwd.shape} and {bwd.shape}")
+    m, columns = fwd.shape
+    V = columns - 2 * ends
+    if V % v or bwd.shape != fwd.shape or V < v:
+        raise ValueError(f"fwd and bwd must both be [m, p x {v}{' + 2' if ends else ''}]; got {fwd.shape} and {bwd.shape}")
     p = V // v
-    link = [0.0] * (V - 1) if links is None else [float(x) for x in links]
-    if len(link) != V - 1:
-        raise ValueError(f"links needs {V - 1} entries, got {len(link)}")
-    f, b = fwd.tolist(), bwd.tolist()
-    f_end, b_end = [[-1.0] * m for _ in range(V)], [[-1.0] * m for _ in range(V)]
-    ops = [device_ops(s, p, v, m) for s in range(p)]
-    ptr, clock, remaining = [0] * p, [0.0] * p, 2 * m * V
+    link = [0.0] * (columns - 1) if links is None else [float(x) for x in links]
+    if len(link) != columns - 1:
+        raise ValueError(f"links needs {columns - 1} entries, got {len(link)}")
+    # ops per device as (kind, column, microbatch)
+    first = int(ends)
+    order = [device_ops(s, p, v, m, extra_warmup=first) for s in range(p)]
+    ops = [[(kind, first + c * p + s, j) for kind, c, j in order[s]] for s in range(p)]
+    if ends:
+        compute = {"forward": 0, "backward": 1}
+        head = encoder_actions(boundary_ops(order[0], 0))
+        tail = generator_actions(boundary_ops(order[-1], v - 1))
+        ops = ([[(compute[a], 0, j) for a, j in head if a in compute]] + ops
+               + [[(compute[a], columns - 1, j) for a, j in tail if a in compute]])
+    clock = _run(fwd.tolist(), bwd.tolist(), link, ops)
+    per_column = fwd.sum(0) + bwd.sum(0)
+    inner = per_column[first:first + V]
+    busy = tuple(float(inner[s::p].sum()) for s in range(p))
+    if ends:
+        busy = (float(per_column[0]), *busy, float(per_column[-1]))
+    total = max(clock)
+    return ScheduleResult(total, busy, bubble_fraction(busy, total, weights), tuple(clock))
+
+
+def _run(f, b, link, ops):
+    """Each device runs its ops in order; an op starts when its device is free and its input
+    exists. Returns when each device's last op ends."""
+    columns, m = len(f[0]), len(f)
+    f_end, b_end = [[-1.0] * m for _ in range(columns)], [[-1.0] * m for _ in range(columns)]
+    ptr, clock, remaining = [0] * len(ops), [0.0] * len(ops), sum(len(o) for o in ops)
     while remaining:
         progressed = False
-        for s in range(p):
-            t = clock[s]
-            while ptr[s] < len(ops[s]):
-                kind, c, j = ops[s][ptr[s]]
-                k = c * p + s
+        for d, device in enumerate(ops):
+            t = clock[d]
+            while ptr[d] < len(device):
+                kind, k, j = device[ptr[d]]
                 if kind == 0:
                     if k and f_end[k - 1][j] < 0:
                         break
@@ -68,29 +77,27 @@ def interleaved_1f1b(fwd, bwd, links, v: int, weights=None) -> ScheduleResult:
                     t = max(t, ready) + f[j][k]
                     f_end[k][j] = t
                 else:
-                    prev = f_end[k][j] if k == V - 1 else b_end[k + 1][j]
+                    prev = f_end[k][j] if k == columns - 1 else b_end[k + 1][j]
                     if prev < 0:
                         break
-                    t = max(t, prev + (link[k] if k < V - 1 else 0.0)) + b[j][k]
+                    t = max(t, prev + (link[k] if k < columns - 1 else 0.0)) + b[j][k]
                     b_end[k][j] = t
-                ptr[s] += 1
+                ptr[d] += 1
                 remaining -= 1
                 progressed = True
-            clock[s] = t
+            clock[d] = t
         if not progressed:
             raise RuntimeError("interleaved 1F1B deadlocked (a bug: megatron's order is deadlock-free)")
-    per_stage = fwd.sum(0) + bwd.sum(0)
-    busy = tuple(float(per_stage[s::p].sum()) for s in range(p))
-    total = max(clock)
-    return ScheduleResult(total, busy, bubble_fraction(busy, total, weights), tuple(clock))
+    return clock
 
 
-def peak_activations(s: int, p: int, v: int, m: int, chunk_bytes) -> float:
+def peak_activations(s: int, p: int, v: int, m: int, chunk_bytes, extra_warmup: int = 0) -> float:
     """The most activation bytes device s holds: forwards whose backward has not run yet,
-    chunk c's microbatch weighing chunk_bytes[c]. v = 1 gives min(p - s, m) microbatches.
+    chunk c's microbatch weighing chunk_bytes[c]. v = 1 gives min(p - s, m) microbatches
+    (extra_warmup: systems.pipeline_order.interleaved_ops').
     (device_ops' order, vectorized: searches call this for every candidate layout.)"""
     w, total = np.asarray(chunk_bytes, dtype=np.float64), m * v
-    warm = min(total, p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p)
+    warm = min(total, (p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p) + extra_warmup)
     c = (np.arange(total) // p) % v
     grow, free = w[c], -w[v - 1 - c]
     steady = np.stack([grow[warm:], free[:total - warm]], axis=1).ravel()

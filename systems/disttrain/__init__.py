@@ -5,10 +5,13 @@ given as `--set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP` (`llm:TPxCPxPPxDP` for a 
 backbone, `cp_comm=a2a|ring`; simulated only: the measured runtime builds CP-less grids). Non-colocated modules form a module
 pipeline encoder -> backbone -> generator driven by a 1F1B schedule; megatron-core's
 HyperCommGrid, BridgeCommunicator and MultiModulePipelineCommunicator move activations into
-the destination's layout and gradients back. `--set placement=colocated` puts every module
+the destination's layout and gradients back; `--set vpp=V` gives each backbone PP rank V chunks
+under interleaved 1F1B (systems.disttrain.interleaved). `--set placement=colocated` puts every module
 on every rank, each with its own TP/DP, and regroups boundary tensors in place.
 """
 from __future__ import annotations
+
+import re
 
 from systems import cp as CP
 from systems.base import ConfigError, Layout, StepOutput, SystemAdapter, attention_option, register
@@ -23,10 +26,11 @@ class DistTrainSystem(SystemAdapter):
     # simulated only: the measured runtime syncs after its own flush.
     # cp_comm: the backbone's context-parallel pattern when its plan entry has CP > 1 (systems.cp).
     # attention: every module's attention core, local or sdpa (systems.base.ATTENTION).
+    # vpp: backbone chunks per PP rank, interleaved 1F1B (systems.disttrain.interleaved).
     options = {"plan": "", "placement": "disaggregated", "recompute": False, "overlap": False, "cp_comm": "a2a",
-               "attention": "local"}
+               "attention": "local", "vpp": 1}
     sim_module = "systems.disttrain.sim"
-    key_skips_defaults = frozenset({"attention"})      # added 5 Dec 2026
+    key_skips_defaults = frozenset({"attention", "vpp"})      # added 5 and 6 Dec 2026
     search_keeps = frozenset({"placement"})
     records_timeline = True
     reorders_data = True
@@ -47,15 +51,18 @@ class DistTrainSystem(SystemAdapter):
         comm, attention = options.get("cp_comm", "a2a"), attention_option(options)
         if comm not in CP.PATTERNS:
             raise ConfigError(f"cp_comm={comm!r}; choose a2a (DeepSpeed Ulysses) or ring (ring attention)")
+        vpp = int(options.get("vpp", 1))             # bench.config coerced it to an int
         plan = parse_plan(options["plan"], nproc, colocated, exact=not simulated)
-        validate_plan(plan, workload, global_batch_size, micro_batch_size, runtime=not simulated, cp_comm=comm)
+        validate_plan(plan, workload, global_batch_size, micro_batch_size, runtime=not simulated, cp_comm=comm,
+                      vpp=vpp)
         cp = plan.modules["backbone"].cp
         used = plan.modules["backbone"].size if colocated else sum(p.size for p in plan.modules.values())
         details = {"plan": plan.label(), "placement": options["placement"], "recompute": rc, "overlap": ov,
-                   "cp": cp, "cp_comm": comm if cp > 1 else None, "attention": attention,
+                   "cp": cp, "cp_comm": comm if cp > 1 else None, "attention": attention, "vpp": vpp,
                    "modules": {n: layout_entry(p) for n, p in plan.modules.items()}}
         ring = cp > 1 and comm == "ring"
-        suffix = ("-ring" if ring else "") + ("-sdpa" if attention == "sdpa" else "") + ("-rc" if rc else "")
+        suffix = ((f"-vpp{vpp}" if vpp > 1 else "") + ("-ring" if ring else "") + ("-sdpa" if attention == "sdpa" else "")
+                  + ("-rc" if rc else ""))
         return Layout(label=plan.label() + suffix + ("-ov" if ov else ""),
                       num_devices=used, details=details, module_dp={n: p.dp for n, p in plan.modules.items()},
                       canonical_groups=plan.canonical_groups)
@@ -68,7 +75,9 @@ class DistTrainSystem(SystemAdapter):
         for key, suffix in (("overlap", "-ov"), ("recompute", "-rc"), ("sdpa", "-sdpa"), ("ring", "-ring")):
             flags[key] = text.endswith(suffix)
             text = text.removesuffix(suffix)
-        return {"plan": text, "placement": PLACEMENTS[colocated], "recompute": flags["recompute"],
+        vpp = re.search(r"-vpp(\d+)$", text)
+        text = text[:vpp.start()] if vpp else text
+        return {"plan": text, "vpp": int(vpp[1]) if vpp else 1, "placement": PLACEMENTS[colocated], "recompute": flags["recompute"],
                 "overlap": flags["overlap"], "cp_comm": "ring" if flags["ring"] else "a2a",
                 "attention": "sdpa" if flags["sdpa"] else "local"}
 
@@ -76,12 +85,18 @@ class DistTrainSystem(SystemAdapter):
         from systems import mcore
         mcore.use_cpu_if_needed(ctx.device)
         from megatron.core import parallel_state
-        from systems.disttrain.runtime import build_runtime
+        from systems.disttrain.colocated import ColocatedRuntime
+        from systems.disttrain.interleaved import InterleavedRuntime
+        from systems.disttrain.runtime import PipelineRuntime
 
         self.ctx = ctx
         self.plan = parse_plan(ctx.options["plan"], ctx.world_size, ctx.options["placement"] == "colocated")
         parallel_state._set_global_memory_buffer()
-        self.runtime = build_runtime(ctx, self.plan)
+        vpp = ctx.layout.details.get("vpp", 1)
+        if self.plan.colocated:
+            self.runtime = ColocatedRuntime(ctx, self.plan)
+        else:
+            self.runtime = InterleavedRuntime(ctx, self.plan, vpp) if vpp > 1 else PipelineRuntime(ctx, self.plan)
 
     def train_step(self, step: int) -> StepOutput:
         return self.runtime.train_step(step)

@@ -137,9 +137,10 @@ def parse_plan(text: str, nproc: int, colocated: bool, exact: bool = True) -> Pl
 
 
 def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size: int, runtime: bool = True,
-                  cp_comm: str = "a2a") -> None:
+                  cp_comm: str = "a2a", vpp: int = 1) -> None:
     """runtime=False (the simulator, which spreads images over any DP size): only the checks
-    a real DistTrain at scale needs too, not those of this runtime's whole-rank boundaries."""
+    a real DistTrain at scale needs too, not those of this runtime's whole-rank boundaries.
+    vpp: backbone chunks per PP rank (interleaved 1F1B, systems.disttrain.interleaved)."""
     for name, mp in plan.modules.items():
         heads = getattr(workload, name).num_attention_heads
         # the simulator pads an image module's heads to a multiple of TP (bench.sim.costs.padded_heads)
@@ -159,6 +160,7 @@ def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size
                           f"x backbone dp {llm.dp}")
     if plan.colocated and llm.pp > 1:
         raise ConfigError("colocated placement runs modules one after another on shared ranks; use llm pp=1")
+    _check_interleaving(plan, b.num_layers, global_batch_size // (micro_batch_size * llm.dp), vpp)
     if not runtime:
         return
     if llm.cp > 1:
@@ -174,3 +176,19 @@ def validate_plan(plan: Plan, workload, global_batch_size: int, micro_batch_size
             if a % c and c % a:
                 raise ConfigError(f"{src} dp={a} and {dst} dp={c}: one must divide the other "
                                   f"(the boundary fans activations in or out by whole ranks)")
+
+
+def _check_interleaving(plan: Plan, layers: int, microbatches: int, vpp: int) -> None:
+    pp = plan.modules["backbone"].pp
+    if vpp < 1:
+        raise ConfigError(f"vpp={vpp} must be >= 1")
+    if vpp == 1:
+        return
+    if plan.colocated or pp == 1:
+        raise ConfigError(f"vpp={vpp} interleaves the backbone's pipeline stages: it needs the disaggregated "
+                          f"placement and llm pp > 1")
+    if layers % (pp * vpp):
+        raise ConfigError(f"backbone pp={pp} x vpp={vpp} does not divide its {layers} layers")
+    if microbatches % pp:
+        raise ConfigError(f"vpp={vpp}: interleaved 1F1B needs the microbatches per backbone replica ({microbatches}) "
+                          f"a multiple of pp={pp}; change the global batch size")

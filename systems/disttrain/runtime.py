@@ -25,15 +25,8 @@ from systems.base import StepOutput
 TOPOLOGY = {"encoder": ["backbone"], "backbone": ["generator"], "generator": []}
 
 
-def build_runtime(ctx, plan):
-    if plan.colocated:
-        from systems.disttrain.colocated import ColocatedRuntime
-        return ColocatedRuntime(ctx, plan)
-    return PipelineRuntime(ctx, plan)
-
-
 class PipelineRuntime:
-    def __init__(self, ctx, plan):
+    def __init__(self, ctx, plan, vpp: int = 1):
         from megatron.core import tensor_parallel
         from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
 
@@ -44,15 +37,19 @@ class PipelineRuntime:
             grids[name], module_pg, member = build_grid(mp.tp, mp.pp, mp.dp, mp.rank_offset)
             if member:
                 self.name, pg = name, module_pg
-        self.mp = plan.modules[self.name]
+        self.mp, self.pg = plan.modules[self.name], pg
         self.tp_rank, self.pp_rank, self.dp_rank = pg.tp.rank(), pg.pp.rank(), pg.dp.rank()
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
-        self.module, self.config = build_module(self.name, ctx.workload, self.mp.tp, self.mp.pp, pg, ctx.dtype, ctx.seed,
-                                                ctx.device, ctx.layout.details.get("attention", "local"))
-        self.updates = mcore.UpdateTracker({self.name: self.module}, {self.name: self.tp_rank},
+        # A backbone rank holds vpp chunks (virtual stages c x pp + pp_rank), every other rank one.
+        built = [build_module(self.name, ctx.workload, self.mp.tp, self.mp.pp, pg, ctx.dtype, ctx.seed, ctx.device,
+                              ctx.layout.details.get("attention", "local"), vpp, c)
+                 for c in range(vpp if self.name == "backbone" else 1)]
+        self.chunks, self.config = [m for m, _ in built], built[0][1]
+        self.module = self.chunks[0]
+        self.updates = mcore.UpdateTracker({self.name: torch.nn.ModuleList(self.chunks)}, {self.name: self.tp_rank},
                                             {self.name: self.dp_rank})
-        self.model = mcore.wrap_ddp(self.module, self.config, pg)
-        self.optimizer = mcore.build_optimizer([self.model], ctx.optim, ctx.dtype, pg)
+        self.models = [mcore.wrap_ddp(c, self.config, pg) for c in self.chunks]
+        self.optimizer = mcore.build_optimizer(self.models, ctx.optim, ctx.dtype, pg)
         self.comm = MultiModulePipelineCommunicator(grids, TOPOLOGY, self.config,
                                                     dim_mapping={"b": 0, "s": 1, "h": 2})
         llm = plan.modules["backbone"]
@@ -74,36 +71,40 @@ class PipelineRuntime:
         self.hidden_shape = (ctx.workload.backbone.seq_length, self.rows, ctx.workload.backbone.hidden_size)
 
     # -- one microbatch through this rank's stage ------------------------------------------
-    def _forward(self, mb, inputs: dict):
-        """Returns (what to send downstream, saved state for backward)."""
+    def _forward(self, mb, inputs: dict, chunk: int = 0):
+        """Returns (what to send downstream, saved state for backward): this rank's module, or
+        on a backbone rank its `chunk`."""
         if self.name == "encoder":
             out = self.module(mb)
-            return {"encoder": out}, (out, None, None)
+            return {"encoder": out}, (out, None, None, None, self.grad_scale)
         if self.name == "generator":
             cond = inputs["backbone"].detach().requires_grad_()
             gen = self.module(mb, cond)
             self.sums += torch.stack([gen.sum(), torch.zeros(()), gen.sum()]).detach().double().cpu()
-            return {}, (gen.sum() * self.objective_scale, None, cond)
-        if self.first_llm:
+            return {}, (gen.sum() * self.objective_scale, None, cond, "backbone", 1.0)
+        module = self.chunks[chunk]
+        first, last = self.first_llm and chunk == 0, self.last_llm and chunk == len(self.chunks) - 1
+        if first:
             received = inputs["encoder"].detach().requires_grad_()
-            out = self.module(mb, received)
+            out = module(mb, received)
         else:
             received = inputs["backbone"].detach().requires_grad_()
-            self.module.set_input_tensor(received)
-            out = self.module(mb)
-        if not self.last_llm:
-            return {"backbone": out}, (out, None, received)
+            module.set_input_tensor(received)
+            out = module(mb)
+        back = "encoder" if first else "backbone"          # where the gradient of `received` goes
+        if not last:
+            return {"backbone": out}, (out, None, received, back, 1.0)
         lm, cond = out
         self.sums += torch.stack([lm.sum(), lm.sum(), torch.zeros(())]).detach().double().cpu()
-        return {"backbone": cond}, (cond, lm.sum() * self.objective_scale, received)
+        return {"backbone": cond}, (cond, lm.sum() * self.objective_scale, received, back, self.grad_scale)
 
     def _backward(self, saved, grads: dict) -> dict:
-        out, objective, received = saved
+        out, objective, received, back, scale = saved
         tensors, grad_tensors = [], []
         if self.name == "generator":
             tensors, grad_tensors = [out], [None]
         else:
-            grad = next(iter(grads.values())) * self.grad_scale
+            grad = next(iter(grads.values())) * scale
             tensors, grad_tensors = [out], [grad.to(out.dtype)]
             if objective is not None:
                 tensors.append(objective)
@@ -114,17 +115,16 @@ class PipelineRuntime:
             torch.autograd.backward([t for t, _ in live], [g for _, g in live])
         if received is None:
             return {}
-        key = "encoder" if self.first_llm else "backbone"
-        return {key: received.grad if received.grad is not None else torch.zeros_like(received)}
+        return {back: received.grad if received.grad is not None else torch.zeros_like(received)}
 
-    # -- the 1F1B schedule ----------------------------------------------------------------
     def train_step(self, step: int) -> StepOutput:
         start = time.perf_counter()
         events, busy = [], 0.0
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.mp.dp, self.rows)
         loaded, cpu = time.perf_counter(), time.thread_time()   # the schedule's phase starts here: data wait is its own
         self.sums = torch.zeros(3, dtype=torch.float64)
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def timed(kind, fn, *args):
@@ -136,6 +136,26 @@ class PipelineRuntime:
             events.append({"module": self.name, "kind": kind, "start_s": t0 - start, "end_s": t1 - start})
             return result
 
+        self._schedule(microbatches, timed)
+        t0, compute_cpu = time.perf_counter(), time.thread_time() - cpu
+        for model in self.models:
+            model.finish_grad_sync()
+        t1 = time.perf_counter()
+        ok, _, _ = self.optimizer.step()
+        t2 = time.perf_counter()
+        busy += t2 - t0
+        if not ok:
+            raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
+        phases = {"compute": t0 - loaded, "grad_sync": t1 - t0, "optimizer": t2 - t1}
+        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu)
+        if self.reports:
+            out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
+        return out
+
+    # -- the 1F1B schedule ----------------------------------------------------------------
+    def _schedule(self, microbatches, timed) -> None:
+        """Every microbatch's forward and backward through this rank's stage; timed(kind, fn,
+        *args) runs one and records it."""
         m_total = self.num_microbatches
         warmup = min(self.num_stages - self.stage - 1, m_total)
         saved, next_fwd = deque(), 0
@@ -162,17 +182,3 @@ class PipelineRuntime:
             grads = self.comm.recv_backward(tensor_shape=shape)
             in_grads = timed("bwd", self._backward, saved.popleft(), grads)
             self.comm.send_backward(in_grads)
-
-        t0, compute_cpu = time.perf_counter(), time.thread_time() - cpu
-        self.model.finish_grad_sync()
-        t1 = time.perf_counter()
-        ok, _, _ = self.optimizer.step()
-        t2 = time.perf_counter()
-        busy += t2 - t0
-        if not ok:
-            raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
-        phases = {"compute": t0 - loaded, "grad_sync": t1 - t0, "optimizer": t2 - t1}
-        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu)
-        if self.reports:
-            out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
-        return out

@@ -21,6 +21,7 @@ import numpy as np
 from systems.base import MODULES, StepCost
 from systems.disttrain import sim_colocated
 from systems.disttrain.plan import module_layouts
+from systems.pipeline_order import boundary_ops, encoder_actions, interleaved_ops
 from workloads.reorder import ModuleCost, assign_for_module, inter_microbatch_order, intra_microbatch_assign
 
 
@@ -101,10 +102,13 @@ def simulate_step(layout, step, kit) -> StepCost:
     lays, rc, ov = module_layouts(layout), layout.details["recompute"], layout.details.get("overlap", False)
     E, K, G = lays["encoder"], lays["backbone"], lays["generator"]
     sh, gpn, B, seq = C.module_shapes(w), cluster.gpus_per_node, bc.num_samples, w.backbone.seq_length
-    tp, pp, dp, cp = K["tp"], K["pp"], K["dp"], K["cp"]
+    tp, pp, dp, cp, vpp = K["tp"], K["pp"], K["dp"], K["cp"], layout.details.get("vpp", 1)
     comm, mp = layout.details.get("cp_comm") or "a2a", K["tp"] * K["cp"]
     size = dp * mbs
-    m, S = B // size, pp + 2
+    # Columns until the schedule is priced: encoder, the backbone's pp x vpp virtual stages
+    # (chunk c of PP rank s is c x pp + s), generator; per rank after it (_per_rank).
+    V = pp * vpp
+    m, S = B // size, V + 2
     enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
     sc = [ModuleCost(e, 0.0, g) for e, g in zip(enc, gen)]
     rows = {}
@@ -116,7 +120,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         gmbs = intra_microbatch_assign(sc, m, size) if step.reorder else batch.chunks(range(B), m)
     stages = [C.backbone_stage(w, pp, s) for s in range(pp)]
     bb = [C.module_fb(mbs * f, mbs * seq, "backbone", sh["backbone"], n, tp, cluster, rc, cp=cp, cp_comm=comm)
-          for f, _, n in stages]
+          for f, _, n in (C.backbone_stage(w, V, k) for k in range(V))]
     fwd, bwd = np.zeros((m, S)), np.zeros((m, S))
     fwd[:, 1:-1], bwd[:, 1:-1] = [f for f, _ in bb], [b for _, b in bb]
     # cores each operation keeps busy: a TP rank waiting at a collective uses none (C.tp_busy)
@@ -150,25 +154,37 @@ def simulate_step(layout, step, kit) -> StepCost:
     else:
         enc_link = float(C.p2p_time(max(tok_mean["encoder"], 0.0), hb, mp, cluster, True))
     links = ([enc_link]
-             + [float(C.p2p_time(mbs * seq, hb, mp, cluster, mp * dp >= gpn))] * (pp - 1)
+             + [float(C.p2p_time(mbs * seq, hb, mp, cluster, mp * dp >= gpn))] * (V - 1)
              + [float(C.p2p_time(size * w.generator.num_cond_tokens / G["dp"], hb, 1, cluster, True))])
-    bridge = _bridge_work(cluster, E, G, dp, pp, S)
+    bridge = _bridge_work(cluster, E, G, dp, V, S)
     if bridge is not None:                   # measured CPU cluster: the bridge communicator's own cost
         work, transit = bridge
         fwd, bwd = fwd + work, bwd + work
         links[0], links[-1] = transit, transit
     order = step.reorder and rd is None
+    interleaved = None
+    if vpp > 1:
+        if not cluster.shared_cores:
+            interleaved, fwd, bwd = _interleaved(kit, fwd, bwd, links, vpp, order)
+        # per rank from here; shared cores price a rank's chunks as one plain-1F1B stage, as
+        # Megatron's simulation does (no interleaved order under processor sharing)
+        fwd, bwd = _per_rank(fwd, pp, vpp), _per_rank(bwd, pp, vpp)
+        wf, wb = _per_rank(wf, pp, vpp, mean=True), _per_rank(wb, pp, vpp, mean=True)
+        links, S = [links[0]] + links[1:pp] + [links[-1]], pp + 2
     if order and fwd.shape[0] > 1 and cluster.shared_cores:
         o = inter_microbatch_order(fwd + bwd, search="fast")
         fwd, bwd, wf, wb = fwd[o], bwd[o], wf[o], wb[o]
         order = False
-    fwd, bwd, res, _ = schedule.order_microbatches(fwd, bwd, links, order)
+    if interleaved is None:
+        fwd, bwd, res, _ = schedule.order_microbatches(fwd, bwd, links, order)
+    else:
+        res = interleaved
     # Each module syncs its gradients and steps its optimizer once its own last backward is done
     # (the generator's, early in the flush, hides behind the encoder's last backwards); the
     # backbone's stages meet first at its optimizer's gradient-norm all-reduce (tail_group).
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     shared = cluster.shared_cores
-    for key, lay, inflight in (("encoder", E, min(S, m)), ("generator", G, 1)):
+    for key, lay, inflight in (("encoder", E, _encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
@@ -178,7 +194,9 @@ def simulate_step(layout, step, kit) -> StepCost:
                               ranks[col] if shared else None)
                      + _alone(C.optimizer_time(p / lay["dp"], cluster), cluster))
     for s, (_, params, n) in enumerate(stages):
-        a = min(S - 1 - s, m) * C.activation_bytes(mbs * seq / cp, sh["backbone"], n, tp, rc)
+        chunk = C.activation_bytes(mbs * seq / cp, sh["backbone"], n / vpp, tp, rc)
+        # the runtime's one extra warm-up forward for the generator (systems.pipeline_order)
+        a = kit.interleaved.peak_activations(s, pp, vpp, m, [chunk] * vpp, extra_warmup=1)
         mem.append(C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes) + a
                    + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0.0))
         ranks[1 + s] = mp * dp
@@ -207,6 +225,37 @@ def simulate_step(layout, step, kit) -> StepCost:
         pipe, end = res.iteration_time, float(schedule.tail_ends(res.stage_end, tail, group).max())
     gpus = E["tp"] * E["dp"] + mp * pp * dp + G["tp"] * G["dp"]
     return StepCost(pipe, end - pipe + C.harness_time(gpus, cluster), busy, max(mem), gpus, first, data)
+
+
+def _interleaved(kit, fwd, bwd, links, vpp: int, reorder: bool):
+    """(schedule, fwd, bwd) of the module pipeline with an interleaved backbone (columns: encoder,
+    pp x vpp virtual stages, generator), its microbatches in the inter-microbatch reordering of
+    workloads.reorder when `reorder` and that is faster, as schedule.order_microbatches does."""
+    I = kit.interleaved
+    base = I.interleaved_1f1b(fwd, bwd, links, vpp, ends=True)
+    if not reorder or fwd.shape[0] < 2:
+        return base, fwd, bwd
+    o = inter_microbatch_order(fwd + bwd, search="fast")
+    alt = I.interleaved_1f1b(fwd[o], bwd[o], links, vpp, ends=True)
+    return (alt, fwd[o], bwd[o]) if alt.iteration_time < base.iteration_time else (base, fwd, bwd)
+
+
+def _encoder_inflight(pp: int, vpp: int, m: int) -> int:
+    """Most microbatches the encoder holds activations of (forwards whose backward has not run):
+    plain 1F1B over the pp + 2 stages, or the interleaved runtime's encoder order."""
+    if vpp == 1:
+        return min(pp + 2, m)
+    order = interleaved_ops(0, pp, vpp, m, extra_warmup=1)
+    held = np.cumsum([{"forward": 1, "backward": -1}.get(a, 0) for a, _ in encoder_actions(boundary_ops(order, 0))])
+    return int(held.max())
+
+
+def _per_rank(x, pp: int, vpp: int, mean: bool = False):
+    """[m, pp x vpp + 2] per virtual stage -> [m, pp + 2] per rank: each PP rank's chunks summed
+    (mean: averaged, for the cores an operation keeps busy)."""
+    inner = x[:, 1:-1].reshape(x.shape[0], vpp, pp)
+    inner = inner.mean(1) if mean else inner.sum(1)
+    return np.concatenate([x[:, :1], inner, x[:, -1:]], axis=1)
 
 
 def _loading(C, load, rows, pp: int, S: int, cluster) -> np.ndarray:

@@ -1,0 +1,131 @@
+"""Interleaved 1F1B inside DistTrain's module pipeline (`vpp` > 1).
+
+Each backbone rank holds vpp chunks, chunk c of PP rank s being virtual stage c x pp + s, and
+runs megatron-core's interleaved order (systems.pipeline_order) with one more warm-up forward,
+for the generator after the last stage (as the plain runtime's 1F1B counts it among its stages).
+Between chunks, activations go to the next PP rank and gradients to the previous one, the last
+rank's chunk c feeding the first rank's chunk c + 1 (the wrap-around megatron-core's
+MultiModulePipelineCommunicator has no notion of): plain point-to-point, sends non-blocking
+and receives in the sender's order, so they match on NCCL (no tags) as on gloo. The module
+boundaries, encoder -> chunk 0 of the first rank and the last rank's last chunk -> generator,
+go through the communicator's bridges (fan-in / fan-out over DP, broadcast over TP). Those
+transfers block until both sides meet, so the encoder and generator meet them in the order
+the backbone's boundary ranks do (systems.pipeline_order.encoder_actions, generator_actions),
+which cannot deadlock: every rank follows one valid order and no send waits on a receive.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from systems.disttrain.runtime import PipelineRuntime
+from systems.pipeline_order import (FORWARD, boundary_ops, encoder_actions, generator_actions, interleaved_ops,
+                                    ring_sends)
+
+EXTRA_WARMUP = 1          # the generator: one stage past the backbone's last rank
+
+
+class InterleavedRuntime(PipelineRuntime):
+    def __init__(self, ctx, plan, vpp: int):
+        super().__init__(ctx, plan, vpp)
+        llm = plan.modules["backbone"]
+        self.vpp, self.pp = vpp, llm.pp
+        m = self.num_microbatches
+        self.orders = [interleaved_ops(s, llm.pp, vpp, m, EXTRA_WARMUP) for s in range(llm.pp)]
+        if self.name == "backbone":
+            ring = dist.get_process_group_ranks(self.pg.pp)
+            self.next_rank, self.prev_rank = ring[(self.pp_rank + 1) % self.pp], ring[(self.pp_rank - 1) % self.pp]
+
+    # -- the point-to-point traffic between backbone ranks ---------------------------------
+    def _inbox(self) -> RingInbox:
+        """This step's messages from each neighbour ("prev": activations, "next": gradients), in
+        the neighbour's sending order (with pp = 2 both neighbours are one rank, whose activations
+        and gradients interleave in one stream)."""
+        s, pp = self.pp_rank, self.pp
+        streams = {peer: deque(key for dst, key in ring_sends(self.orders, peer, self.vpp) if dst == s)
+                   for peer in dict.fromkeys(((s - 1) % pp, (s + 1) % pp))}
+        return RingInbox({"prev": streams[(s - 1) % pp], "next": streams[(s + 1) % pp]},
+                         {"prev": self.prev_rank, "next": self.next_rank},
+                         self.hidden_shape, self.ctx.dtype, self.ctx.device)
+
+    def _send(self, dst: int, tensor: torch.Tensor) -> None:
+        self.pending.append((dist.isend(tensor.detach().contiguous(), dst=dst), tensor))
+
+    # -- the schedules ----------------------------------------------------------------------
+    def _schedule(self, microbatches, timed) -> None:
+        self.pending = []
+        if self.name == "encoder":
+            self._encoder(microbatches, timed)
+        elif self.name == "generator":
+            self._generator(microbatches, timed)
+        else:
+            self._backbone(microbatches, timed)
+        for work, _ in self.pending:
+            work.wait()
+
+    def _encoder(self, microbatches, timed) -> None:
+        outputs, saved, grads = {}, {}, {}
+        for action, j in encoder_actions(boundary_ops(self.orders[0], 0)):
+            if action == "forward":
+                outputs[j], saved[j] = timed("fwd", self._forward, microbatches[j], {})
+            elif action == "send":
+                self.comm.send_forward(outputs.pop(j))
+            elif action == "recv":
+                grads[j] = self.comm.recv_backward()
+            else:
+                timed("bwd", self._backward, saved.pop(j), grads.pop(j))
+
+    def _generator(self, microbatches, timed) -> None:
+        inputs, saved, grads = {}, {}, {}
+        for action, j in generator_actions(boundary_ops(self.orders[-1], self.vpp - 1)):
+            if action == "recv":
+                inputs[j] = self.comm.recv_forward()
+            elif action == "forward":
+                _, saved[j] = timed("fwd", self._forward, microbatches[j], inputs.pop(j))
+            elif action == "backward":
+                grads[j] = timed("bwd", self._backward, saved.pop(j), {})
+            else:
+                self.comm.send_backward(grads.pop(j))
+
+    def _backbone(self, microbatches, timed) -> None:
+        s, first, last = self.pp_rank, 0, self.vpp - 1
+        saved, self.inbox = {}, self._inbox()
+        for kind, c, j in self.orders[s]:
+            if kind == FORWARD:
+                entry = s == 0 and c == first
+                inputs = self.comm.recv_forward() if entry else {"backbone": self.inbox.take("prev", (kind, c, j))}
+                outputs, saved[c, j] = timed("fwd", self._forward, microbatches[j], inputs, c)
+                if s == self.pp - 1 and c == last:
+                    self.comm.send_forward(outputs)
+                else:
+                    self._send(self.next_rank, outputs["backbone"])
+                continue
+            exit_ = s == self.pp - 1 and c == last
+            grads = self.comm.recv_backward() if exit_ else {"backbone": self.inbox.take("next", (kind, c, j))}
+            in_grads = timed("bwd", self._backward, saved.pop((c, j)), grads)
+            if s == 0 and c == first:
+                self.comm.send_backward(in_grads)
+            else:
+                self._send(self.prev_rank, in_grads["backbone"])
+
+
+class RingInbox:
+    """Messages from the two PP neighbours, received in each sender's order (what NCCL matches
+    by) and handed out in this rank's order; those that arrive early wait here."""
+
+    def __init__(self, expected: dict, ranks: dict, shape, dtype, device):
+        self.expected, self.ranks = expected, ranks
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.arrived: dict = {}
+
+    def take(self, side: str, key) -> torch.Tensor:
+        while key not in self.arrived:
+            stream = self.expected[side]
+            if not stream:
+                raise RuntimeError(f"ring message {key} from the {side} rank was never scheduled (a bug)")
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            dist.recv(buffer, src=self.ranks[side])
+            self.arrived[stream.popleft()] = buffer
+        return self.arrived.pop(key)
