@@ -32,12 +32,12 @@ MFU_72B = Claim(DISTTRAIN, "54.7% MFU, 72B MLLM on 1172 GPUs",
                 "bench/sim/cluster.py); on one with a measured profile (bench/sim/gpu_profiles/), its layers' "
                 "measured bf16 MFU (the H200 check of 4 Dec: a 72B-shape backbone layer 0.615 at TP 1, 0.525 "
                 "at TP 4, 0.411 at TP 8); the rest is our plan's bubble and exposed comm. Our DistTrain backbone "
-                "runs plain 1F1B without sequence parallelism, where Megatron's layouts add interleaving (vpp)")
+                "interleaves (vpp) as Megatron's layouts do, but without sequence parallelism")
 MAX_SPEEDUP = Claim(DISTTRAIN, "up to 2.2x Megatron-LM throughput",
                     "ours is against the best layout our search finds for Megatron (TP with SP, CP, vpp, DP "
                     "overlap; an image module's heads padded to a multiple of TP, as NVLM pads InternViT), not "
-                    "the paper's Megatron-LM configuration, while our DistTrain backbone runs plain 1F1B without "
-                    "SP; the gain grows with the encoder + generator share of FLOPs (the map figure)")
+                    "the paper's Megatron-LM configuration, while our DistTrain backbone has no SP; the gain "
+                    "grows with the encoder + generator share of FLOPs (the map figure)")
 COLOCATED = Claim(HETERO, "colocated heterogeneous layouts: up to +49.3% TFLOPS/GPU",
                   "that gain is at long context with context parallelism in the LLM (both sides here: all-to-all "
                   "or ring CP); our homogeneous baseline runs the encoder whole on every CP rank, the paper's "

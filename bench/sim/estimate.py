@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.sim import costs as C
+from bench.sim import interleaved
 from bench.sim.batch import draw_batch
 from workloads.presets import Workload
 
@@ -82,22 +83,24 @@ class BackbonePipeline:
 
 
 def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recompute: bool,
-                      stages_after: int, cp: int = 1, cp_comm: str = "a2a") -> BackbonePipeline:
+                      stages_after: int, cp: int = 1, cp_comm: str = "a2a", vpp: int = 1) -> BackbonePipeline:
     """The backbone split into `pp` stages at TP `tp`, CP `cp` (bench.sim.context) and DP `dp`;
     `stages_after`: stages that follow it in the chain (a generator group), which keep more
-    microbatches in flight."""
+    microbatches in flight (one more warm-up forward each: systems.pipeline_order); `vpp` chunks
+    per stage under interleaved 1F1B (stage_s sums a stage's chunks; links: one per virtual
+    boundary, pp x vpp - 1)."""
     sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
     m, mp = st.B // (dp * st.mbs), tp * cp
     t, ok, sync = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm), True, 0.0
     for s in range(pp):
         f, params, n = C.backbone_stage(w, pp, s)
-        inflight = min(pp + stages_after - s, m)
+        chunk = C.activation_bytes(st.mbs * seq / cp, sh, n / vpp, tp, recompute)
         mem = (C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes)
-               + inflight * C.activation_bytes(st.mbs * seq / cp, sh, n, tp, recompute)
+               + interleaved.peak_activations(s, pp, vpp, m, [chunk] * vpp, extra_warmup=stages_after)
                + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         ok &= bool(mem <= cluster.memory_bytes)
         sync = max(sync, float(C.dp_sync_time(params / tp, dp * cp, mp * dp > gpn, cluster)))
-    links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp - 1)
+    links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp * vpp - 1)
     return BackbonePipeline(np.array(t), links, sync, ok, m)
 
 

@@ -111,3 +111,16 @@ def estimate(stage_fb, link: float, m: int, v: int) -> float:
     Exact for equal devices; v = 1 is bench.sim.schedule.estimate_1f1b with equal links."""
     t = np.asarray(stage_fb, dtype=np.float64)
     return float(t.sum() / v + (m - 1.0 / v) * t.max() + 2.0 * (len(t) * v - 1) * link)
+
+
+def estimate_module_chain(stage_fb, links, m: int, v: int) -> float:
+    """Closed form of interleaved_1f1b(..., ends=True) for identical microbatches: stage_fb =
+    [encoder, pp backbone devices (their chunks summed), generator] forward + backward, links =
+    [encoder, p v - 1 backbone, generator]. Fill and drain cross the encoder, every chunk once
+    (1 / v of each device) and the generator; the steady state runs at the slowest stage, with
+    the backbone's last (1 - 1 / v) share of its slowest device (estimate's form). v = 1 is
+    bench.sim.schedule.estimate_1f1b of the whole chain."""
+    t = np.asarray(stage_fb, dtype=np.float64)
+    inner = t[1:-1]
+    return float(t[0] + t[-1] + inner.sum() / v + (m - 1) * t.max() + (1 - 1 / v) * inner.max()
+                 + 2.0 * float(np.sum(links)))

@@ -51,7 +51,11 @@ class InterleavedRuntime(PipelineRuntime):
                          self.hidden_shape, self.ctx.dtype, self.ctx.device)
 
     def _send(self, dst: int, tensor: torch.Tensor) -> None:
-        self.pending.append((dist.isend(tensor.detach().contiguous(), dst=dst), tensor))
+        # A sent gradient is held until its send completes, then dropped: holding every one to the
+        # step's end would keep m x vpp hidden-state tensors alive (tens of GB at 72B scale).
+        self.pending = [(work, t) for work, t in self.pending if not work.is_completed()]
+        tensor = tensor.detach().contiguous()
+        self.pending.append((dist.isend(tensor, dst=dst), tensor))
 
     # -- the schedules ----------------------------------------------------------------------
     def _schedule(self, microbatches, timed) -> None:

@@ -1,17 +1,21 @@
 """DistTrain's orchestration: each module's GPUs and TP/DP (backbone TP/PP/DP), under the
 per-GPU memory limit, from the shared cost model (`kit`).
 
-Objective: the closed-form iteration estimate of kit.schedule.estimate_1f1b over mean
-per-sample costs of a drawn batch (sum of stage times + (m - 1) x the slowest + transfers)
+Objective: the closed-form iteration estimate of kit.interleaved.estimate_module_chain over mean
+per-sample costs of a drawn batch (sum of stage times + (m - 1) x the slowest + transfers;
+with vpp chunks per backbone stage the backbone's fill and drain shrink to 1 / vpp)
 plus the slowest module's data-parallel sync. The exact simulator then scores the result.
 
 Search space: TP powers of two <= gpus_per_node dividing the module's heads (and KV groups);
 PP dividing the backbone's layers; backbone CP a power of two, all-to-all or ring where
 systems.cp's rules admit it (encoder and generator: CP 1, their inputs are bounded images); backbone DP any, the global batch rounded to a multiple of
 DP x microbatch within kit.estimate.BATCH_TOLERANCE (plans for this runtime: DP dividing it);
-encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus.
+encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus;
+per backbone, plain 1F1B and the fewest interleaving chunks (vpp) within VPP_TOLERANCE of its
+best (interleaved 1F1B needs pp > 1 and the microbatches a multiple of pp; measured plans stay
+plain); the best plan of each kind goes to the simulator, which picks (`best_plans`).
 Plans are compared by estimated seconds per sample, since their batches may differ.
-Pruning in `best_plan` (exact in the estimate except step 2's proxy):
+Pruning in `best_plans`, per kind (exact in the estimate except step 2's proxy):
   1. backbone configurations are visited by ascending lower bound (their own time, no
      encoder/generator) and the search stops once the bound reaches the best plan found;
   2. for encoder and generator, per GPU count g the TP degree minimizing w x time + transfers
@@ -31,6 +35,7 @@ import numpy as np
 from systems import cp as CP
 from systems.base import ConfigError
 from systems.disttrain.plan import PLACEMENTS, parse_plan, plan_text, validate_plan
+from systems.pipeline_order import encoder_inflight
 
 
 def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
@@ -58,16 +63,19 @@ def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float
     `cache`: a dict kept across calls of one search (same workload, stats and cluster), where
     backbone pipelines and encoder / generator groups are looked up rather than priced again."""
     cache = {} if cache is None else cache
-    K, rc = plan["backbone"], plan.get("recompute", False)
+    K, rc, vpp = plan["backbone"], plan.get("recompute", False), plan.get("vpp", 1)
     st = replace(st, B=plan.get("global_batch_size", st.B))
-    key = ("backbone", K["tp"], K["pp"], K["dp"], rc, K.get("cp", 1), plan.get("cp_comm", "a2a"), st.B)
+    key = ("backbone", K["tp"], K["pp"], K["dp"], rc, K.get("cp", 1), plan.get("cp_comm", "a2a"), st.B, vpp)
     if key not in cache:
-        cache[key] = kit.estimate.backbone_pipeline(w, st, cluster, K["tp"], K["pp"], K["dp"], rc, 1, *key[5:7])
+        cache[key] = kit.estimate.backbone_pipeline(w, st, cluster, K["tp"], K["pp"], K["dp"], rc, 1, *key[5:7],
+                                                    vpp=vpp)
     bp = cache[key]
     t_b, links, sync_b, ok, m = bp.stage_s, bp.links, bp.sync_s, bp.fits, bp.num_microbatches
-    S, samples = K["pp"] + 2, K["dp"] * st.mbs
+    if vpp > 1 and (K["pp"] == 1 or m % K["pp"]):
+        return float("inf")
+    samples = K["dp"] * st.mbs
     parts = []
-    for name, inflight in (("encoder", min(S, m)), ("generator", 1)):
+    for name, inflight in (("encoder", encoder_inflight(K["pp"], vpp, m)), ("generator", 1)):
         key = (name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc)
         if key not in cache:
             cache[key] = _side(kit, w, st, cluster, name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc)
@@ -76,7 +84,8 @@ def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float
         return float("inf")
     (te, le, se, _), (tg, lg, sg, _) = parts
     stages = [float(te)] + list(t_b) + [float(tg)]
-    return kit.schedule.estimate_1f1b(stages, [float(le)] + links + [float(lg)], m) + max(sync_b, float(se), float(sg))
+    return (kit.interleaved.estimate_module_chain(stages, [float(le)] + links + [float(lg)], m, vpp)
+            + max(sync_b, float(se), float(sg)))
 
 
 def _sides(kit, w, st, cluster, key, samples, inflight, rc, n):
@@ -103,10 +112,10 @@ def _table(rows, weight, sync_floor, n):
     return best[pick]
 
 
-def _plan(tp, pp, dp, te, tg, rc, est, batch, cp=1, comm="a2a"):
+def _plan(tp, pp, dp, te, tg, rc, est, batch, cp=1, comm="a2a", vpp=1):
     return {"encoder": {"tp": int(te[4]), "dp": int(te[5])}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
             "generator": {"tp": int(tg[4]), "dp": int(tg[5])}, "recompute": rc, "estimate_s": float(est),
-            "global_batch_size": batch, "cp_comm": comm}
+            "global_batch_size": batch, "cp_comm": comm, "vpp": vpp}
 
 
 def per_sample(plan: dict, key: str) -> float:
@@ -118,43 +127,79 @@ def options_of(plan: dict) -> dict:
     """The adapter's options (--set plan=... placement=... recompute=...) of a structured plan."""
     return {"plan": plan_text(plan), "placement": plan.get("placement", "disaggregated"),
             "recompute": bool(plan.get("recompute", False)), "overlap": bool(plan.get("overlap", False)),
-            "cp_comm": plan.get("cp_comm", "a2a")}
+            "cp_comm": plan.get("cp_comm", "a2a"), "vpp": int(plan.get("vpp", 1))}
 
 
 def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> dict | None:
     """DistTrain plan minimizing the estimated seconds per sample, or None if nothing fits."""
+    plans = best_plans(kit, w, num_gpus, cluster, st, recompute)
+    return min(plans, key=lambda p: per_sample(p, "estimate_s")) if plans else None
+
+
+def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> list[dict]:
+    """The best plain-1F1B plan and the best interleaved one (vpp > 1) by the estimate, those that
+    exist. Both are kept for the simulator to choose: interleaving asks the encoder for chunk 0's
+    forwards in bursts of pp, which the closed form does not see (systems.pipeline_order)."""
     cands = []
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus - 2, recompute):
         for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False):
-            bp = kit.estimate.backbone_pipeline(w, replace(st, B=batch), cluster, tp, pp, dp, rc, 1, cp, comm)
-            if bp.fits:
-                lb = kit.schedule.estimate_1f1b(bp.stage_s, bp.links, bp.num_microbatches) + bp.sync_s
+            for lb, vpp, bp in _interleavings(kit, w, replace(st, B=batch), cluster, tp, pp, dp, rc, cp, comm):
                 cands.append((lb / batch, rc, tp, pp, dp, batch, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches,
-                              cp, comm))
+                              cp, comm, vpp))
     cands.sort(key=lambda c: c[:6])
-    best, tables = None, {}
-    for lb, rc, tp, pp, dp, batch, t_b, links, sync, m, cp, comm in cands:
-        if best is not None and lb >= per_sample(best, "estimate_s"):
+    kinds = {c[-1] > 1 for c in cands}
+    best, tables = dict.fromkeys(kinds), {}
+    for lb, rc, tp, pp, dp, batch, t_b, links, sync, m, cp, comm, vpp in cands:
+        if all(best[k] is not None and lb >= per_sample(best[k], "estimate_s") for k in kinds):
             break
-        key = (rc, pp, dp, m)
+        kind = vpp > 1
+        if best[kind] is not None and lb >= per_sample(best[kind], "estimate_s"):
+            continue
+        key = (rc, pp, dp, m, vpp)
         if key not in tables:
-            S = pp + 2
             tables[key] = [_sides(kit, w, st, cluster, k, dp * st.mbs, inflight, rc, num_gpus - 2)
-                           for k, inflight in (("encoder", min(S, m)), ("generator", 1))]
+                           for k, inflight in (("encoder", encoder_inflight(pp, vpp, m)), ("generator", 1))]
         options = [[_table(rows, weight, sync, num_gpus - 2) for weight in {m, 1}] for rows in tables[key]]
         R = num_gpus - tp * cp * pp * dp
         ge = np.arange(1, R)
         for enc, gen in product(*options):
             E, G = enc[ge], gen[R - ge]
             stage_max = np.maximum(np.maximum(E[:, 1], G[:, 1]), t_b.max())
-            with np.errstate(invalid="ignore"):
-                total = (t_b.sum() + E[:, 1] + G[:, 1] + (m - 1) * stage_max + 2 * (sum(links) + E[:, 2] + G[:, 2])
-                         + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
+            with np.errstate(invalid="ignore"):       # kit.interleaved.estimate_module_chain, vectorized
+                total = (t_b.sum() / vpp + (1 - 1 / vpp) * t_b.max() + E[:, 1] + G[:, 1] + (m - 1) * stage_max
+                         + 2 * (sum(links) + E[:, 2] + G[:, 2]) + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
             total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
             k = int(np.argmin(total))
-            if np.isfinite(total[k]) and (best is None or total[k] / batch < per_sample(best, "estimate_s")):
-                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm)
-    return best
+            if np.isfinite(total[k]) and (best[kind] is None or total[k] / batch < per_sample(best[kind], "estimate_s")):
+                best[kind] = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm, vpp)
+    return [p for p in best.values() if p is not None]
+
+
+# Extra chunks are priced as free hops beyond their transfers, though each adds messages and
+# launches the model does not see: take the fewest within this fraction of the best (as
+# Megatron's search does, systems/megatron/sim.py).
+VPP_TOLERANCE = 0.005
+
+
+def _interleavings(kit, w, st, cluster, tp, pp, dp, rc, cp, comm) -> list[tuple]:
+    """(the backbone's own estimate, vpp, its BackbonePipeline) of the plain pipeline and of the
+    fewest chunks per PP rank > 1 within VPP_TOLERANCE of the best interleaving (vpp dividing the
+    stage's layers; only with pp > 1 and the microbatches a multiple of pp, as interleaved 1F1B
+    needs), those that fit."""
+    m = st.B // (dp * st.mbs)
+    chunks = [1] + ([v for v in kit.costs.divisors(w.backbone.num_layers // pp) if v > 1] if pp > 1 and m % pp == 0
+                    else [])
+    scored = []
+    for vpp in chunks:
+        bp = kit.estimate.backbone_pipeline(w, st, cluster, tp, pp, dp, rc, 1, cp, comm, vpp=vpp)
+        if bp.fits:
+            own = kit.interleaved.estimate_module_chain([0.0, *bp.stage_s, 0.0], [0.0, *bp.links, 0.0], m, vpp)
+            scored.append((own + bp.sync_s, vpp, bp))
+    plain, chunked = [x for x in scored if x[1] == 1], [x for x in scored if x[1] > 1]
+    if chunked:
+        top = min(x[0] for x in chunked)
+        chunked = [min((x for x in chunked if x[0] <= (1 + VPP_TOLERANCE) * top), key=lambda x: x[1])]
+    return plain + chunked
 
 
 def _backbones(kit, w, cluster, num_gpus: int, recompute, patterns=CP.PATTERNS):
@@ -169,7 +214,8 @@ def _backbones(kit, w, cluster, num_gpus: int, recompute, patterns=CP.PATTERNS):
 def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact: bool = False):
     """Every plan of at most (exact: exactly) `num_gpus` devices: TP powers of two <= gpus_per_node
     dividing the heads, PP dividing the layers, backbone DP with the batch rounded to a multiple
-    of DP x microbatch (exact: DP x microbatch dividing the batch, as the runtime requires)."""
+    of DP x microbatch (exact: DP x microbatch dividing the batch, as the runtime requires), every
+    interleaving (vpp) the microbatches admit (exact: none; plan=auto keeps measured runs plain)."""
     C, gpn = kit.costs, cluster.gpus_per_node
     side = {k: [(tp, dp) for tp in C.image_tp_choices(gpn, C.module_shapes(w)[k], padded=not exact)
                 for dp in range(1, num_gpus // tp + 1)]
@@ -179,12 +225,15 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
         if exact and cp > 1:
             continue
         for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * cp * pp), exact):
-            for (te, de), (tg, dg) in product(side["encoder"], side["generator"]):
+            m = batch // (dp * st.mbs)
+            chunks = [1] + ([v for v in C.divisors(w.backbone.num_layers // pp) if v > 1]
+                            if pp > 1 and m % pp == 0 and not exact else [])
+            for (te, de), (tg, dg), vpp in product(side["encoder"], side["generator"], chunks):
                 used = tp * cp * pp * dp + te * de + tg * dg
                 if used == num_gpus or (not exact and used < num_gpus):
                     yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
                            "generator": {"tp": tg, "dp": dg}, "recompute": rc, "global_batch_size": batch,
-                           "cp_comm": comm}
+                           "cp_comm": comm, "vpp": vpp}
 
 
 def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True), objective: str = "estimate",
@@ -338,16 +387,18 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
                "estimate, the best 6 re-scored by the simulator; colocated: every plan on nproc ranks, the best 6 by "
                "their estimate simulated (measured runs: no CP)")
     else:
-        disaggregated = best_plan(kit, w, num_devices, cluster, st)
-        if disaggregated is not None:
+        disaggregated = None
+        for plan in best_plans(kit, w, num_devices, cluster, st):
             # Every module is a megatron DDP model: overlap its DP sync, as the Megatron baseline's search does.
-            disaggregated["overlap"] = True
-            r = kit.simulate(w, "disttrain", options_of(disaggregated), num_devices, cluster, seed=seed,
-                             num_batches=1, global_batch_size=disaggregated["global_batch_size"],
-                             micro_batch_size=st.mbs)
-            disaggregated["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
+            plan["overlap"] = True
+            r = kit.simulate(w, "disttrain", options_of(plan), num_devices, cluster, seed=seed,
+                             num_batches=1, global_batch_size=plan["global_batch_size"], micro_batch_size=st.mbs)
+            plan["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
+            if disaggregated is None or per_sample(plan, "simulated_s") < per_sample(disaggregated, "simulated_s"):
+                disaggregated = plan
         how = ("disaggregated: pruned search over module TP/DP and backbone TP/CP/PP/DP (CP all-to-all or ring) by "
-               "the 1F1B estimate (brute-force tested); colocated: every plan on the most ranks that admit one, "
+               "the 1F1B estimate (brute-force tested), the best plain and the best interleaved (vpp) plan, the faster "
+               "by the simulator; colocated: every plan on the most ranks that admit one, "
                "ranked by its estimate within memory, the best 6 simulated; the faster of the two by the simulator")
     colocated = None if placement == "disaggregated" else best_colocated_plan(kit, w, num_devices, cluster, st, seed,
                                                                                exact)

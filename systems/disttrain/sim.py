@@ -21,7 +21,7 @@ import numpy as np
 from systems.base import MODULES, StepCost
 from systems.disttrain import sim_colocated
 from systems.disttrain.plan import module_layouts
-from systems.pipeline_order import boundary_ops, encoder_actions, interleaved_ops
+from systems.pipeline_order import encoder_inflight
 from workloads.reorder import ModuleCost, assign_for_module, inter_microbatch_order, intra_microbatch_assign
 
 
@@ -184,7 +184,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     # backbone's stages meet first at its optimizer's gradient-norm all-reduce (tail_group).
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     shared = cluster.shared_cores
-    for key, lay, inflight in (("encoder", E, _encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
+    for key, lay, inflight in (("encoder", E, encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
@@ -238,16 +238,6 @@ def _interleaved(kit, fwd, bwd, links, vpp: int, reorder: bool):
     o = inter_microbatch_order(fwd + bwd, search="fast")
     alt = I.interleaved_1f1b(fwd[o], bwd[o], links, vpp, ends=True)
     return (alt, fwd[o], bwd[o]) if alt.iteration_time < base.iteration_time else (base, fwd, bwd)
-
-
-def _encoder_inflight(pp: int, vpp: int, m: int) -> int:
-    """Most microbatches the encoder holds activations of (forwards whose backward has not run):
-    plain 1F1B over the pp + 2 stages, or the interleaved runtime's encoder order."""
-    if vpp == 1:
-        return min(pp + 2, m)
-    order = interleaved_ops(0, pp, vpp, m, extra_warmup=1)
-    held = np.cumsum([{"forward": 1, "backward": -1}.get(a, 0) for a, _ in encoder_actions(boundary_ops(order, 0))])
-    return int(held.max())
 
 
 def _per_rank(x, pp: int, vpp: int, mean: bool = False):
