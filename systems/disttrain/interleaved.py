@@ -10,8 +10,10 @@ and receives in the sender's order, so they match on NCCL (no tags) as on gloo. 
 boundaries, encoder -> chunk 0 of the first rank and the last rank's last chunk -> generator,
 go through the communicator's bridges (fan-in / fan-out over DP, broadcast over TP). Those
 transfers block until both sides meet, so the encoder and generator meet them in the order
-the backbone's boundary ranks do (systems.pipeline_order.encoder_actions, generator_actions),
-which cannot deadlock: every rank follows one valid order and no send waits on a receive.
+the backbone's boundary ranks do (systems.pipeline_order.encoder_actions, generator_actions).
+That cannot deadlock: ring sends never block, ring receives wait only for work the sender's
+valid order reaches, and both sides of a bridge transfer reach it in the same order
+(tests/test_pipeline_order.py runs this protocol for pp 2-4, vpp 1-3).
 """
 from __future__ import annotations
 
@@ -94,22 +96,21 @@ class InterleavedRuntime(PipelineRuntime):
                 self.comm.send_backward(grads.pop(j))
 
     def _backbone(self, microbatches, timed) -> None:
-        s, first, last = self.pp_rank, 0, self.vpp - 1
-        saved, self.inbox = {}, self._inbox()
+        s, saved, inbox = self.pp_rank, {}, self._inbox()
         for kind, c, j in self.orders[s]:
+            # the first virtual stage borders the encoder, the last one the generator
+            by_encoder, by_generator = s == 0 and c == 0, s == self.pp - 1 and c == self.vpp - 1
             if kind == FORWARD:
-                entry = s == 0 and c == first
-                inputs = self.comm.recv_forward() if entry else {"backbone": self.inbox.take("prev", (kind, c, j))}
+                inputs = self.comm.recv_forward() if by_encoder else {"backbone": inbox.take("prev", (kind, c, j))}
                 outputs, saved[c, j] = timed("fwd", self._forward, microbatches[j], inputs, c)
-                if s == self.pp - 1 and c == last:
+                if by_generator:
                     self.comm.send_forward(outputs)
                 else:
                     self._send(self.next_rank, outputs["backbone"])
                 continue
-            exit_ = s == self.pp - 1 and c == last
-            grads = self.comm.recv_backward() if exit_ else {"backbone": self.inbox.take("next", (kind, c, j))}
+            grads = self.comm.recv_backward() if by_generator else {"backbone": inbox.take("next", (kind, c, j))}
             in_grads = timed("bwd", self._backward, saved.pop((c, j)), grads)
-            if s == 0 and c == first:
+            if by_encoder:
                 self.comm.send_backward(in_grads)
             else:
                 self._send(self.prev_rank, in_grads["backbone"])
