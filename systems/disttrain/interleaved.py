@@ -5,8 +5,9 @@ runs megatron-core's interleaved order (systems.pipeline_order) with one more wa
 for the generator after the last stage (as the plain runtime's 1F1B counts it among its stages).
 Between chunks, activations go to the next PP rank and gradients to the previous one, the last
 rank's chunk c feeding the first rank's chunk c + 1 (the wrap-around megatron-core's
-MultiModulePipelineCommunicator has no notion of): plain point-to-point, sends non-blocking
-and receives in the sender's order, so they match on NCCL (no tags) as on gloo. The module
+MultiModulePipelineCommunicator has no notion of): plain point-to-point, one process group
+per direction of each edge (directed_ring_groups), sends non-blocking and receives in the
+sender's order, so they match on NCCL (no tags) as on gloo. The module
 boundaries, encoder -> chunk 0 of the first rank and the last rank's last chunk -> generator,
 go through the communicator's bridges (fan-in / fan-out over DP, broadcast over TP). Those
 transfers block until both sides meet, so the encoder and generator meet them in the order
@@ -36,6 +37,7 @@ class InterleavedRuntime(PipelineRuntime):
         self.vpp, self.pp = vpp, llm.pp
         m = self.num_microbatches
         self.orders = [interleaved_ops(s, llm.pp, vpp, m, EXTRA_WARMUP) for s in range(llm.pp)]
+        self.edges = directed_ring_groups(self.grids["backbone"], llm.pp)      # collective: every rank
         if self.name == "backbone":
             ring = dist.get_process_group_ranks(self.pg.pp)
             self.next_rank, self.prev_rank = ring[(self.pp_rank + 1) % self.pp], ring[(self.pp_rank - 1) % self.pp]
@@ -48,8 +50,10 @@ class InterleavedRuntime(PipelineRuntime):
         s, pp = self.pp_rank, self.pp
         streams = {peer: deque(key for dst, key in ring_sends(self.orders, peer, self.vpp) if dst == s)
                    for peer in dict.fromkeys(((s - 1) % pp, (s + 1) % pp))}
+        me = dist.get_rank()
         return RingInbox({"prev": streams[(s - 1) % pp], "next": streams[(s + 1) % pp]},
-                         {"prev": self.prev_rank, "next": self.next_rank},
+                         {side: (peer, self.edges[peer, me]) for side, peer in (("prev", self.prev_rank),
+                                                                               ("next", self.next_rank))},
                          self.hidden_shape, self.ctx.dtype, self.ctx.device)
 
     def _send(self, dst: int, tensor: torch.Tensor) -> None:
@@ -57,7 +61,7 @@ class InterleavedRuntime(PipelineRuntime):
         # step's end would keep m x vpp hidden-state tensors alive (tens of GB at 72B scale).
         self.pending = [(work, t) for work, t in self.pending if not work.is_completed()]
         tensor = tensor.detach().contiguous()
-        self.pending.append((dist.isend(tensor, dst=dst), tensor))
+        self.pending.append((dist.isend(tensor, dst=dst, group=self.edges[dist.get_rank(), dst]), tensor))
 
     # -- the schedules ----------------------------------------------------------------------
     def _schedule(self, microbatches, timed) -> None:
@@ -116,12 +120,28 @@ class InterleavedRuntime(PipelineRuntime):
                 self._send(self.prev_rank, in_grads["backbone"])
 
 
+def directed_ring_groups(grid, pp: int) -> dict:
+    """(src, dst) global ranks -> a process group carrying only src's messages to dst, for every
+    edge of every PP ring of `grid`. In one group, NCCL runs a rank pair's sends and receives
+    both ways on one stream in posting order, so two ranks that each post a send to the other
+    before their receive from it would wait on each other for ever (megatron-core batches such
+    pairs; our sends and receives fall at different points of the order). Group creation is
+    collective: every rank creates every group, in one order (systems.disttrain.grids)."""
+    groups = {}
+    for ring in grid.get_rank_enum("pp"):
+        for s in range(pp):
+            for dst in dict.fromkeys((ring[(s + 1) % pp], ring[(s - 1) % pp])):
+                groups[ring[s], dst] = dist.new_group([ring[s], dst])
+    return groups
+
+
 class RingInbox:
     """Messages from the two PP neighbours, received in each sender's order (what NCCL matches
     by) and handed out in this rank's order; those that arrive early wait here."""
 
-    def __init__(self, expected: dict, ranks: dict, shape, dtype, device):
-        self.expected, self.ranks = expected, ranks
+    def __init__(self, expected: dict, sources: dict, shape, dtype, device):
+        """sources: per side, (the neighbour's global rank, the group of its messages to this rank)."""
+        self.expected, self.sources = expected, sources
         self.shape, self.dtype, self.device = shape, dtype, device
         self.arrived: dict = {}
 
@@ -131,6 +151,7 @@ class RingInbox:
             if not stream:
                 raise RuntimeError(f"ring message {key} from the {side} rank was never scheduled (a bug)")
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            dist.recv(buffer, src=self.ranks[side])
+            src, group = self.sources[side]
+            dist.recv(buffer, src=src, group=group)
             self.arrived[stream.popleft()] = buffer
         return self.arrived.pop(key)

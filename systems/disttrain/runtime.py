@@ -37,7 +37,7 @@ class PipelineRuntime:
             grids[name], module_pg, member = build_grid(mp.tp, mp.pp, mp.dp, mp.rank_offset)
             if member:
                 self.name, pg = name, module_pg
-        self.mp, self.pg = plan.modules[self.name], pg
+        self.mp, self.pg, self.grids = plan.modules[self.name], pg, grids
         self.tp_rank, self.pp_rank, self.dp_rank = pg.tp.rank(), pg.pp.rank(), pg.dp.rank()
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
         # A backbone rank holds vpp chunks (virtual stages c x pp + pp_rank), every other rank one.
