@@ -52,20 +52,12 @@ def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int 
     return rounded if abs(rounded - B) <= tolerance * B else None
 
 
-def batch_dps(st: "Stats", max_dp: int, exact: bool, pp: int = 1) -> list[tuple[int, int]]:
+def batch_dps(st: "Stats", max_dp: int, exact: bool) -> list[tuple[int, int]]:
     """(DP, global batch) pairs a search may use: DP dividing B / mbs (exact: the only ones the
-    runtime accepts), else any DP <= max_dp with the batch rounded (rounded_batch); with pp > 1
-    also rounded to a multiple of DP x mbs x pp where that differs, the microbatches per replica a
-    multiple of pp as interleaved 1F1B needs (a practitioner interleaving picks such a batch)."""
+    runtime accepts), else any DP <= max_dp with the batch rounded (rounded_batch)."""
     if exact:
         return [(d, st.B) for d in range(1, min(max_dp, st.B // st.mbs) + 1) if (st.B // st.mbs) % d == 0]
-    pairs = []
-    for d in range(1, max_dp + 1):
-        plain = rounded_batch(st.B, d * st.mbs)
-        pairs += [(d, plain)]
-        if pp > 1:
-            chunked = rounded_batch(st.B, d * st.mbs * pp)
-            pairs += [(d, chunked)] if chunked != plain else []
+    pairs = [(d, rounded_batch(st.B, d * st.mbs)) for d in range(1, max_dp + 1)]
     return [(d, b) for d, b in pairs if b is not None]
 
 

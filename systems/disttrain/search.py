@@ -9,8 +9,7 @@ plus the slowest module's data-parallel sync. The exact simulator then scores th
 Search space: TP powers of two <= gpus_per_node dividing the module's heads (and KV groups);
 PP dividing the backbone's layers; backbone CP a power of two, all-to-all or ring where
 systems.cp's rules admit it (encoder and generator: CP 1, their inputs are bounded images); backbone DP any, the global batch rounded to a multiple of
-DP x microbatch (or of DP x microbatch x PP, to interleave) within kit.estimate.BATCH_TOLERANCE
-(plans for this runtime: DP dividing it);
+DP x microbatch within kit.estimate.BATCH_TOLERANCE (plans for this runtime: DP dividing it);
 encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus;
 per backbone, plain 1F1B and the fewest interleaving chunks (vpp) within VPP_TOLERANCE of its
 best (interleaved 1F1B needs pp > 1 and the microbatches a multiple of pp; measured plans stay
@@ -143,7 +142,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
     forwards in bursts of pp, which the closed form does not see (systems.pipeline_order)."""
     cands = []
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus - 2, recompute):
-        for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False, pp=pp):
+        for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False):
             for lb, vpp, bp in _interleavings(kit, w, replace(st, B=batch), cluster, tp, pp, dp, rc, cp, comm):
                 cands.append((lb / batch, rc, tp, pp, dp, batch, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches,
                               cp, comm, vpp))
@@ -225,7 +224,7 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus, recompute):
         if exact and cp > 1:
             continue
-        for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * cp * pp), exact, pp):
+        for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * cp * pp), exact):
             m = batch // (dp * st.mbs)
             chunks = [1] + ([v for v in C.divisors(w.backbone.num_layers // pp) if v > 1]
                             if pp > 1 and m % pp == 0 and not exact else [])

@@ -230,8 +230,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     saves memory here), DP communication overlap, interleaving (the fewest chunks within
     VPP_TOLERANCE of the best) and context parallelism (cp a power of two, all-to-all or ring,
     systems.cp.choices; what long sequences need to fit). Not exact: any DP, the batch rounded to
-    a multiple of DP x microbatch, or of DP x microbatch x PP so that it can interleave
-    (kit.estimate.batch_dps), as DistTrain's search does. exact:
+    a multiple of DP x microbatch (kit.estimate.batch_dps), as DistTrain's search does. exact:
     every device used (dp = num_devices / (tp * cp * pp)), DP dividing the batch, no
     recomputation, CP all-to-all only (what runs)."""
     if fixed:
@@ -270,7 +269,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
     for bound, work, rc, tp, pp, cp, comm in groups:
         if best is not None and bound >= best["estimate_s"] / best["global_batch_size"]:
             break
-        dps = kit.estimate.batch_dps(st, num_devices // (tp * cp * pp), exact, pp)
+        dps = kit.estimate.batch_dps(st, num_devices // (tp * cp * pp), exact)
         for dp, batch in sorted(dps, reverse=True):
             if exact and tp * cp * pp * dp != num_devices:
                 continue
