@@ -1,7 +1,8 @@
-"""Ablation figures: orchestration plan, data reordering, data preprocessing placement.
+"""Ablation figures: orchestration plan, data reordering, data preprocessing placement,
+interleaving DistTrain's backbone.
 
 Each reads only records tagged `tags.experiment == <ablation>`; the variant comes from the
-record (tags.plan_kind, config.data.reorder, config.data.preprocess). Repeats of a
+record (tags.plan_kind, config.data.reorder, config.data.preprocess, tags.pipeline). Repeats of a
 configuration are summarized by their medians (analysis.repeats); throughput bars carry the
 interval of the median when there are repeats (analysis.stats).
 """
@@ -77,3 +78,12 @@ def preprocess(data):
     return _ablation(data, "preprocess", *ABLATIONS["preprocess"],
                      [("data_wait_fraction", "data wait (% of step time)", 100.0), THROUGHPUT],
                      "Ablation: data preprocessing placement", "preprocessing", "Oranges")
+
+
+@figure("interleaving", "Ablation: DistTrain's backbone in plain 1F1B against interleaved 1F1B "
+        "(vpp chunks per pipeline rank), same plan, workload and devices: throughput and the measured "
+        "bubble share of rank-time (experiment=interleaving).")
+def interleaving(data):
+    return _ablation(data, "interleaving", *ABLATIONS["interleaving"],
+                     [THROUGHPUT, ("bubble_fraction", "bubble (% of rank-time)", 100.0)],
+                     "Ablation: interleaved backbone pipeline", "pipeline", "Purples")

@@ -22,13 +22,14 @@ from workloads.presets import PRESETS
 WORKLOAD_ORDER = tuple(sorted(PRESETS, key=lambda name: parameter_counts(PRESETS[name])["total"]))  # by model size
 # Columns every runs frame has, whether or not any record carries them.
 RUN_COLUMNS = ("run_id", "mode", "cluster", "timestamp", "system", "workload", "data_profile", "status",
-               "reason", "num_devices", "layout_label", "experiment", "plan_kind", "reorder",
+               "reason", "num_devices", "layout_label", "experiment", "plan_kind", "pipeline", "reorder",
                "preprocess", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
                "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
                "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source",
                "config_key", "repeat", "outside_cpu_share", "load_average_1m", "busy_machine")
 ALIASES = {  # short name -> json_normalize column
     "layout_label": "layout.label", "experiment": "tags.experiment", "plan_kind": "tags.plan_kind",
+    "pipeline": "tags.pipeline",
     "reorder": "config.data.reorder", "preprocess": "config.data.preprocess",
     "samples_per_s": "metrics.samples_per_s", "tokens_per_s": "metrics.tokens_per_s",
     "mfu": "metrics.mfu", "mfu_encoder": "metrics.mfu_per_module.encoder",
@@ -44,7 +45,8 @@ ALIASES = {  # short name -> json_normalize column
 # Each ablation experiment: the column naming its variant and the variants, the reference first.
 ABLATIONS = {"orchestration": ("plan_kind", ("naive", "auto")),
              "reorder": ("reorder", ("none", "intra", "inter", "both")),
-             "preprocess": ("preprocess", ("colocated", "disaggregated"))}
+             "preprocess": ("preprocess", ("colocated", "disaggregated")),
+             "interleaving": ("pipeline", ("plain", "interleaved"))}
 VARIANTS = {name: column for name, (column, _) in ABLATIONS.items()}
 STEP_COLUMNS = ("run_id", "system", "workload", "data_profile", "mode", "status", "layout_label",
                 "experiment", "timestamp", "step", "latency_s", "loss", "lm_loss", "gen_loss",

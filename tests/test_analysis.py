@@ -103,6 +103,9 @@ def synthetic_records() -> list[dict]:
     for prep, speed, wait in (("colocated", 1.1, 0.3), ("disaggregated", 1.45, 0.02)):
         recs.append(_record(next(i), "disttrain", "small", 4, exp="preprocess", speed=speed,
                             data={"preprocess": prep}, extra={"data_wait_fraction": wait}))
+    for pipeline, speed, bubble in (("plain", 1.2, 0.2), ("interleaved", 1.1, 0.25)):
+        recs.append(_record(next(i), "disttrain", "small", 4, exp="interleaving", speed=speed,
+                            tags={"pipeline": pipeline}, extra={"bubble_fraction": bubble}))
     for n in (64, 256):          # the three configurations of arXiv 2605.27678, simulated
         for system, configuration, speed in (("megatron", "homogeneous", 1.0), ("disttrain", "colocated", 1.3),
                                              ("disttrain", "non-colocated", 1.1)):
@@ -216,7 +219,7 @@ def test_figure_without_data_is_skipped(tmp_path):
     d = tmp_path / "results"
     write_results(d, [_record(0, "disttrain", "tiny", 2)])
     data = load_mod.load(d)
-    for name in ("speedup", "scaling", "orchestration", "reorder", "preprocess"):
+    for name in ("speedup", "scaling", "orchestration", "reorder", "preprocess", "interleaving"):
         with pytest.raises(NoData):
             FIGURES[name](data)
     outcomes = {o.name: o for o in draw_all(data, tmp_path / "out")}
