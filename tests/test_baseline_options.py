@@ -374,8 +374,8 @@ def test_interleaved_pipeline_reproduces_plain_1f1b(tmp_path):
 def test_disttrain_overlap_is_simulated_only_and_never_slower():
     adapter, w = get_system("disttrain"), get_workload("mllm-9b")
     plan = {"plan": "enc:1x4,llm:2x2x4,gen:1x4", "placement": "disaggregated", "recompute": False}
-    assert adapter.options_from_label("enc:1x4,llm:2x2x4,gen:1x4-rc-ov") == {**plan, "recompute": True, "overlap": True,
-                                                                              "cp_comm": "a2a", "attention": "local", "vpp": 1}
+    assert adapter.options_from_label("enc:1x4,llm:2x2x4,gen:1x4-rc-ov") == {
+        **plan, "recompute": True, "overlap": True, "cp_comm": "a2a", "attention": "local", "vpp": 1}
     with pytest.raises(ConfigError, match="simulator only"):
         adapter.layout({**plan, "overlap": True}, 24, w, 64, 1)
     with pytest.raises(ConfigError, match="disaggregated placement only"):

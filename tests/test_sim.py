@@ -981,5 +981,6 @@ def test_disttrain_search_keeps_the_faster_of_its_plain_and_interleaved_plans():
                      num_batches=1, global_batch_size=plan["global_batch_size"])
         per_sample.append(r["iteration_time_s"] / plan["global_batch_size"])
     found = disttrain_search.search(w, 256, H100, KIT, seed=0, global_batch_size=w.global_batch_size,
-                                    micro_batch_size=w.micro_batch_size, exact=False, fixed={"placement": "disaggregated"})
+                                    micro_batch_size=w.micro_batch_size, exact=False,
+                                    fixed={"placement": "disaggregated"})
     assert found["simulated_s"] / found["global_batch_size"] == pytest.approx(min(per_sample))

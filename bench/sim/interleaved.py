@@ -33,7 +33,8 @@ def interleaved_1f1b(fwd, bwd, links, v: int, weights=None, ends: bool = False) 
     m, columns = fwd.shape
     V = columns - 2 * ends
     if V % v or bwd.shape != fwd.shape or V < v:
-        raise ValueError(f"fwd and bwd must both be [m, p x {v}{' + 2' if ends else ''}]; got {fwd.shape} and {bwd.shape}")
+        shape = f"[m, p x {v}{' + 2' if ends else ''}]"
+        raise ValueError(f"fwd and bwd must both be {shape}; got {fwd.shape} and {bwd.shape}")
     p = V // v
     link = [0.0] * (columns - 1) if links is None else [float(x) for x in links]
     if len(link) != columns - 1:

@@ -61,8 +61,8 @@ class DistTrainSystem(SystemAdapter):
                    "cp": cp, "cp_comm": comm if cp > 1 else None, "attention": attention, "vpp": vpp,
                    "modules": {n: layout_entry(p) for n, p in plan.modules.items()}}
         ring = cp > 1 and comm == "ring"
-        suffix = ((f"-vpp{vpp}" if vpp > 1 else "") + ("-ring" if ring else "") + ("-sdpa" if attention == "sdpa" else "")
-                  + ("-rc" if rc else ""))
+        suffix = ((f"-vpp{vpp}" if vpp > 1 else "") + ("-ring" if ring else "")
+                  + ("-sdpa" if attention == "sdpa" else "") + ("-rc" if rc else ""))
         return Layout(label=plan.label() + suffix + ("-ov" if ov else ""),
                       num_devices=used, details=details, module_dp={n: p.dp for n, p in plan.modules.items()},
                       canonical_groups=plan.canonical_groups)
@@ -77,7 +77,8 @@ class DistTrainSystem(SystemAdapter):
             text = text.removesuffix(suffix)
         vpp = re.search(r"-vpp(\d+)$", text)
         text = text[:vpp.start()] if vpp else text
-        return {"plan": text, "vpp": int(vpp[1]) if vpp else 1, "placement": PLACEMENTS[colocated], "recompute": flags["recompute"],
+        return {"plan": text, "vpp": int(vpp[1]) if vpp else 1, "placement": PLACEMENTS[colocated],
+                "recompute": flags["recompute"],
                 "overlap": flags["overlap"], "cp_comm": "ring" if flags["ring"] else "a2a",
                 "attention": "sdpa" if flags["sdpa"] else "local"}
 

@@ -170,7 +170,8 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
                          + 2 * (sum(links) + E[:, 2] + G[:, 2]) + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
             total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
             k = int(np.argmin(total))
-            if np.isfinite(total[k]) and (best[kind] is None or total[k] / batch < per_sample(best[kind], "estimate_s")):
+            better = best[kind] is None or total[k] / batch < per_sample(best[kind], "estimate_s")
+            if np.isfinite(total[k]) and better:
                 best[kind] = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm, vpp)
     return [p for p in best.values() if p is not None]
 
