@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypedDict
 
 import systems
-from workloads.presets import MODULES, Workload
+from workloads.presets import ATTENTION, MODULES, Workload
 
 PLUGINS_ENV = "BENCH_PLUGINS"
 TIMELINE_KINDS = ("fwd", "bwd", "comm", "idle")
@@ -37,10 +37,8 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line saying what and how to fix."""
 
 
-# The attention core every system's layers can run (workloads.attention): megatron-core's unfused
-# DotProductAttention, or torch's scaled_dot_product_attention (fused kernels on CUDA). The
+# ATTENTION (workloads.presets): the attention cores every system's layers can run. The
 # simulator prices a fused core on GPUs (bench.sim.gemm), so its GPU layouts name sdpa.
-ATTENTION = ("local", "sdpa")
 
 
 def attention_option(options) -> str:

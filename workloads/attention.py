@@ -20,7 +20,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-ATTENTION = ("local", "sdpa")
+from workloads.presets import ATTENTION   # the cores this module builds; bench.profile.gpu reads it here
 
 
 class SDPAttention(MegatronModule):

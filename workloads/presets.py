@@ -13,6 +13,10 @@ from workloads.profiles import DATA_PROFILES, DataProfile
 
 # The MLLM's modules in pipeline order; every per-module table in the project uses these keys.
 MODULES = ("encoder", "backbone", "generator")
+# The attention cores every module's layers can run (workloads.attention): megatron-core's unfused
+# DotProductAttention, or torch's scaled_dot_product_attention (fused kernels on CUDA). Here,
+# not there, so that layout validation reads it without importing megatron-core.
+ATTENTION = ("local", "sdpa")
 
 
 @dataclass(frozen=True)
