@@ -1,7 +1,7 @@
 """Fixtures shared by several test modules."""
 import pytest
 
-from tests.helpers import run_record
+from tests.helpers import DEEP, run_record
 
 
 @pytest.fixture(scope="session")
@@ -9,3 +9,11 @@ def reference(tmp_path_factory):
     """The single-process Megatron run on tiny (TP = PP = DP = 1) that every layout, system and
     option must reproduce; launched once per session (each launch costs ~10 s of start-up)."""
     return run_record("megatron", 1, {}, tmp_path_factory.mktemp("ref") / "r.jsonl")
+
+
+@pytest.fixture(scope="session")
+def reference_deep(tmp_path_factory):
+    """The single-process Megatron run of tests.helpers.DEEP (a backbone of 4 layers) that the
+    interleaved pipelines of Megatron and DistTrain must reproduce."""
+    return run_record("megatron", 1, DEEP["sets"], tmp_path_factory.mktemp("ref-deep") / "r.jsonl",
+                      workload=DEEP["workload"])

@@ -8,6 +8,9 @@ from bench.config import resolve
 from bench.run.runner import run
 
 FAST = {"warmup": 0, "steps": 5, "data.num_samples": 64}
+# Interleaved pipelines need pp x vpp dividing the backbone's layers: small-gen-heavy has 4
+# (tiny 2); two steps of it, against conftest's `reference_deep`.
+DEEP = {"workload": "small-gen-heavy", "sets": {"steps": 2, "global_batch_size": 8, "data.num_samples": 16}}
 
 
 def run_record(system: str, nproc: int, sets: dict, results: Path, workload: str = "tiny") -> dict:

@@ -16,7 +16,7 @@ from bench.sim.schedule import one_f_one_b
 from bench.sim.simulate import simulate
 from systems.base import ConfigError, get_system
 from systems.megatron import sim as megatron_sim
-from tests.helpers import FAST, assert_parity, losses, run_record
+from tests.helpers import DEEP, assert_parity, losses, run_record
 from workloads.presets import get_workload
 
 H100 = get_cluster("h100")
@@ -360,14 +360,12 @@ def test_measured_option_reproduces_single_process_loss(tmp_path, reference, sys
 
 
 @pytest.mark.multiprocess
-def test_interleaved_pipeline_reproduces_plain_1f1b(tmp_path):
+def test_interleaved_pipeline_reproduces_the_single_process_run(tmp_path, reference_deep):
     """Interleaving needs pp x vpp dividing the backbone's layers: small-gen-heavy has 4 (tiny 2)."""
-    sets = {**FAST, "steps": 2, "pp": 2, "global_batch_size": 8, "data.num_samples": 16}
-    plain = run_record("megatron", 2, sets, tmp_path / "a.jsonl", workload="small-gen-heavy")
-    inter = run_record("megatron", 2, {**sets, "vpp": 2, "overlap": True}, tmp_path / "b.jsonl",
-                       workload="small-gen-heavy")
+    inter = run_record("megatron", 2, {**DEEP["sets"], "pp": 2, "vpp": 2, "overlap": True}, tmp_path / "b.jsonl",
+                       workload=DEEP["workload"])
     assert inter["layout"]["label"] == "tp1-pp2-dp1-vpp2-ov"
-    for g, w in zip(losses(inter), losses(plain), strict=True):
+    for g, w in zip(losses(inter), losses(reference_deep), strict=True):
         assert g == pytest.approx(w, rel=1e-4)
 
 

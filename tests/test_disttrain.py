@@ -7,7 +7,7 @@ import pytest
 
 from bench.config import resolve
 from systems.base import ConfigError, get_system
-from tests.helpers import assert_parity, assert_step_phases, run_record
+from tests.helpers import DEEP, assert_parity, assert_step_phases, run_record
 from workloads.presets import get_workload
 
 PLANS = [
@@ -130,16 +130,14 @@ def test_interleaved_labels_round_trip():
 
 
 @pytest.mark.multiprocess
-def test_interleaved_backbone_reproduces_the_single_process_run(tmp_path):
+def test_interleaved_backbone_reproduces_the_single_process_run(tmp_path, reference_deep):
     """Two chunks per backbone rank, pp 2: the wrap-around and the gradients share one stream.
-    Interleaving needs pp x vpp dividing the backbone's layers: small-gen-heavy has 4 (tiny 2).
     (Also checked by hand, 6 Dec: llm pp 2 x dp 2 fanned out from one encoder, TP 2, and pp 3 x
-    vpp 2 on small, whose neighbours send on separate streams: all to ~2e-8.)"""
-    sets = {"steps": 2, "global_batch_size": 8, "data.num_samples": 16}
-    want = run_record("megatron", 1, sets, tmp_path / "a.jsonl", workload="small-gen-heavy")
-    got = run_record("disttrain", 4, {**sets, "plan": "enc:1x1,llm:1x2x1,gen:1x1", "vpp": 2}, tmp_path / "b.jsonl",
-                     workload="small-gen-heavy")
+    vpp 2 on small, whose neighbours send on separate streams: all to ~5e-8.)"""
+    got = run_record("disttrain", 4, {**DEEP["sets"], "plan": "enc:1x1,llm:1x2x1,gen:1x1", "vpp": 2},
+                     tmp_path / "b.jsonl", workload=DEEP["workload"])
     assert got["layout"]["label"] == "enc:1x1,llm:1x2x1,gen:1x1-vpp2"
+    want = reference_deep
     assert [s["loss"] for s in got["steps"]] == pytest.approx([s["loss"] for s in want["steps"]], rel=1e-6)
     for module in ("encoder", "backbone", "generator"):
         assert got["metrics"]["weight_update_norm"][module] == pytest.approx(
