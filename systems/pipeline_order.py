@@ -29,11 +29,16 @@ def interleaved_ops(s: int, p: int, v: int, m: int, extra_warmup: int = 0) -> li
         c = (i // p) % v
         return kind, (v - 1 - c if kind else c), (i // (p * v)) * p + i % p
 
-    warm = min(total, (p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p) + extra_warmup)
+    warm = warmup_forwards(s, p, v, m, extra_warmup)
     ops = [op(i, FORWARD) for i in range(warm)]
     for i in range(total - warm):
         ops += [op(warm + i, FORWARD), op(i, BACKWARD)]
     return ops + [op(i, BACKWARD) for i in range(total - warm, total)]
+
+
+def warmup_forwards(s: int, p: int, v: int, m: int, extra_warmup: int = 0) -> int:
+    """Forwards rank s runs before its first backward (interleaved_ops)."""
+    return min(m * v, (p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p) + extra_warmup)
 
 
 def boundary_ops(ops, chunk: int) -> list[tuple[int, int]]:

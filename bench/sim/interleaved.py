@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.sim.schedule import ScheduleResult, bubble_fraction
-from systems.pipeline_order import boundary_ops, encoder_actions, generator_actions, interleaved_ops as device_ops
+from systems.pipeline_order import boundary_ops, encoder_actions, generator_actions, warmup_forwards
+from systems.pipeline_order import interleaved_ops as device_ops
 
 
 def interleaved_1f1b(fwd, bwd, links, v: int, weights=None, ends: bool = False) -> ScheduleResult:
@@ -94,11 +95,10 @@ def _run(f, b, link, ops):
 
 def peak_activations(s: int, p: int, v: int, m: int, chunk_bytes, extra_warmup: int = 0) -> float:
     """The most activation bytes device s holds: forwards whose backward has not run yet,
-    chunk c's microbatch weighing chunk_bytes[c]. v = 1 gives min(p - s, m) microbatches
-    (extra_warmup: systems.pipeline_order.interleaved_ops').
-    (device_ops' order, vectorized: searches call this for every candidate layout.)"""
+    chunk c's microbatch weighing chunk_bytes[c]. v = 1 gives min(p - s + extra_warmup, m)
+    microbatches. (device_ops' order, vectorized: searches call this for every candidate layout.)"""
     w, total = np.asarray(chunk_bytes, dtype=np.float64), m * v
-    warm = min(total, (p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p) + extra_warmup)
+    warm = warmup_forwards(s, p, v, m, extra_warmup)
     c = (np.arange(total) // p) % v
     grow, free = w[c], -w[v - 1 - c]
     steady = np.stack([grow[warm:], free[:total - warm]], axis=1).ravel()
