@@ -40,17 +40,8 @@ def interleaved_1f1b(fwd, bwd, links, v: int, weights=None, ends: bool = False) 
     link = [0.0] * (columns - 1) if links is None else [float(x) for x in links]
     if len(link) != columns - 1:
         raise ValueError(f"links needs {columns - 1} entries, got {len(link)}")
-    # ops per device as (kind, column, microbatch)
     first = int(ends)
-    order = [device_ops(s, p, v, m, extra_warmup=first) for s in range(p)]
-    ops = [[(kind, first + c * p + s, j) for kind, c, j in order[s]] for s in range(p)]
-    if ends:
-        compute = {"forward": 0, "backward": 1}
-        head = encoder_actions(boundary_ops(order[0], 0))
-        tail = generator_actions(boundary_ops(order[-1], v - 1))
-        ops = ([[(compute[a], 0, j) for a, j in head if a in compute]] + ops
-               + [[(compute[a], columns - 1, j) for a, j in tail if a in compute]])
-    clock = _run(fwd.tolist(), bwd.tolist(), link, ops)
+    clock = _run(fwd.tolist(), bwd.tolist(), link, chain_ops(p, v, m, ends))
     per_column = fwd.sum(0) + bwd.sum(0)
     inner = per_column[first:first + V]
     busy = tuple(float(inner[s::p].sum()) for s in range(p))
@@ -58,6 +49,22 @@ def interleaved_1f1b(fwd, bwd, links, v: int, weights=None, ends: bool = False) 
         busy = (float(per_column[0]), *busy, float(per_column[-1]))
     total = max(clock)
     return ScheduleResult(total, busy, bubble_fraction(busy, total, weights), tuple(clock))
+
+
+def chain_ops(p: int, v: int, m: int, ends: bool = False) -> list[list[tuple[int, int, int]]]:
+    """Per device, its (kind, column, microbatch) operations in execution order (kind 0 forward, 1
+    backward), the columns of interleaved_1f1b: p devices of v chunks, with `ends` DistTrain's
+    encoder and generator as two more devices (columns 0 and p v + 1) around them."""
+    first = int(ends)
+    order = [device_ops(s, p, v, m, extra_warmup=first) for s in range(p)]
+    ops = [[(kind, first + c * p + s, j) for kind, c, j in order[s]] for s in range(p)]
+    if not ends:
+        return ops
+    compute = {"forward": 0, "backward": 1}
+    head = encoder_actions(boundary_ops(order[0], 0))
+    tail = generator_actions(boundary_ops(order[-1], v - 1))
+    return ([[(compute[a], 0, j) for a, j in head if a in compute]] + ops
+            + [[(compute[a], p * v + 1, j) for a, j in tail if a in compute]])
 
 
 def _run(f, b, link, ops):

@@ -130,7 +130,11 @@ class Chain:
     core: bench.sim.cluster.Cluster.handoff_stall); it uses no core, and shared_1f1b charges the
     `stall_share` of it that the processes busy at that moment cause. `head` ([S] seconds, processes
     `wh`): work each stage does before its first operation (its ranks loading the step's data
-    in the trainers: a downstream stage loads while the stages before it compute)."""
+    in the trainers: a downstream stage loads while the stages before it compute).
+    `ops` (or None: one device per column, in 1F1B order): per device, its (kind, column,
+    microbatch) operations in order, kind 0 forward and 1 backward: a device holding several
+    columns (interleaved 1F1B's chunks, bench.sim.interleaved.device_ops); then fwd, bwd, wf, wb
+    and links are per column, and tail, wt, tail_group, stall, head and wh per device."""
     fwd: np.ndarray
     bwd: np.ndarray
     links: list | None = None
@@ -142,6 +146,7 @@ class Chain:
     stall: np.ndarray | None = None
     head: np.ndarray | None = None
     wh: np.ndarray | None = None
+    ops: list | None = None
 
 
 def tail_ends(clock, tail, tail_group=None) -> np.ndarray:
@@ -182,7 +187,8 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
                 oversubscribed: float | None = None) -> tuple[float, list[float], list[float]]:
     """1F1B of several independent pipelines whose processes share `cores` CPU cores.
 
-    Same operation order and dependencies as `one_f_one_b`, but durations are work: an
+    Same operation order and dependencies as `one_f_one_b` (or each device's Chain.ops: interleaved
+    1F1B, whose forwards and backwards cross the columns in the same way), but durations are work: an
     operation keeping w processes busy progresses, while the running operations keep D
     processes busy in all, at min(1, cores / D) / contention(D) of its full speed (processor
     sharing; a process waiting for a message uses no core). Transfers are delays that use no core, and so is
@@ -194,69 +200,69 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
     With enough cores (D <= cores always) it equals one_f_one_b on every chain.
     """
     eps = 1e-15
-    st = []                          # per (chain, stage): ops, pointer, running [remaining, weight], ready time
+    st = []                          # per chain: its arrays, per column and per device
     for c, ch in enumerate(chains):
         fwd, bwd = np.asarray(ch.fwd, dtype=np.float64), np.asarray(ch.bwd, dtype=np.float64)
         m, S = fwd.shape
+        dev_ops = ([[(kind, s, j) for kind, j in stage_ops(s, S, m)] for s in range(S)] if ch.ops is None
+                   else [list(d) for d in ch.ops])
+        D = len(dev_ops)
         wf = np.ones_like(fwd) if ch.wf is None else np.asarray(ch.wf, dtype=np.float64)
         wb = np.ones_like(bwd) if ch.wb is None else np.asarray(ch.wb, dtype=np.float64)
         link = [0.0] * (S - 1) if ch.links is None else [float(x) for x in ch.links]
-        tail = np.zeros(S) if ch.tail is None else np.asarray(ch.tail, dtype=np.float64)
-        wt = np.ones(S) if ch.wt is None else np.asarray(ch.wt, dtype=np.float64)
-        group = [-1] * S if ch.tail_group is None else list(ch.tail_group)
-        stall = np.zeros(S) if ch.stall is None else np.asarray(ch.stall, dtype=np.float64)
-        head = np.zeros(S) if ch.head is None else np.asarray(ch.head, dtype=np.float64)
-        wh = np.ones(S) if ch.wh is None else np.asarray(ch.wh, dtype=np.float64)
-        ch_state = {"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "m": m, "S": S, "tail": tail, "wt": wt,
-                    "group": group, "stall": stall, "head": head, "wh": wh,
-                    "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0,
-                    "stall_share": np.zeros(S)}
-        st.append(ch_state)
-    stages = [(c, s, ([(3, 0)] if ch["head"][s] > 0 else []) + stage_ops(s, ch["S"], ch["m"])
-               + ([(2, 0)] if ch["tail"][s] > 0 else []))
-              for c, ch in enumerate(st) for s in range(ch["S"])]
+        per_device = {name: np.full(D, fill) if x is None else np.asarray(x, dtype=np.float64)
+                      for name, x, fill in (("tail", ch.tail, 0.0), ("wt", ch.wt, 1.0), ("stall", ch.stall, 0.0),
+                                            ("head", ch.head, 0.0), ("wh", ch.wh, 1.0))}
+        group = [-1] * D if ch.tail_group is None else list(ch.tail_group)
+        st.append({"fwd": fwd, "bwd": bwd, "wf": wf, "wb": wb, "link": link, "S": S, "D": D, "group": group,
+                   **per_device, "ops": dev_ops, "left": [len(d) for d in dev_ops], "last": np.zeros(D),
+                   "f_end": np.full((S, m), -1.0), "b_end": np.full((S, m), -1.0), "end": 0.0, "flush": 0.0,
+                   "stall_share": np.zeros(D)})
+    # (chain, device, its operations as (kind, column, microbatch)); kind 3 = its head, 2 = its tail
+    stages = [(c, d, ([(3, -1, 0)] if ch["head"][d] > 0 else []) + ch["ops"][d]
+               + ([(2, -1, 0)] if ch["tail"][d] > 0 else []))
+              for c, ch in enumerate(st) for d in range(ch["D"])]
     ptr = [0] * len(stages)
-    running: dict[int, list] = {}    # stage index -> [remaining work, weight, kind, j]
+    running: dict[int, list] = {}    # stage index -> [remaining work, weight, kind, column, j]
     t = 0.0
     total = sum(len(ops) for _, _, ops in stages)
     done = 0
     while done < total:
         pending = []
-        for i, (c, s, ops) in enumerate(stages):
+        for i, (c, d, ops) in enumerate(stages):
             if i in running or ptr[i] >= len(ops):
                 continue
             ch = st[c]
-            kind, j = ops[ptr[i]]
-            if kind == 3:                # the stage's head: from the start
+            kind, k, j = ops[ptr[i]]
+            if kind == 3:                # the device's head: from the start
                 ready = 0.0
-            elif kind == 2:              # the stage's tail: after its own (and its group's) last operation
-                mates = [x for x in range(ch["S"]) if ch["group"][x] == ch["group"][s] >= 0]
-                if any((ch["b_end"][x] < 0).any() for x in mates):
+            elif kind == 2:              # its tail: after its own (and its group's) last operation
+                mates = [x for x in range(ch["D"]) if ch["group"][x] == ch["group"][d] >= 0]
+                if any(ch["left"][x] for x in mates):
                     continue
-                ready = max((ch["b_end"][x].max() for x in mates), default=0.0)
+                ready = max((ch["last"][x] for x in mates), default=0.0)
             elif kind == 0:
-                if s == 0:
+                if k == 0:
                     ready = 0.0
-                elif ch["f_end"][s - 1][j] < 0:
+                elif ch["f_end"][k - 1][j] < 0:
                     continue
                 else:
-                    ready = ch["f_end"][s - 1][j] + ch["link"][s - 1]
+                    ready = ch["f_end"][k - 1][j] + ch["link"][k - 1]
             else:
-                if s == ch["S"] - 1:
-                    ready = ch["f_end"][s][j]
-                elif ch["b_end"][s + 1][j] < 0:
+                if k == ch["S"] - 1:
+                    ready = ch["f_end"][k][j]
+                elif ch["b_end"][k + 1][j] < 0:
                     continue
                 else:
-                    ready = ch["b_end"][s + 1][j] + ch["link"][s]
-            prev = max(ch["f_end"][s].max(), ch["b_end"][s].max(), 0.0)    # the stage's own last op
-            ready = max(ready, prev + (ch["stall"][s] * ch["stall_share"][s] if kind < 2 else 0.0))
+                    ready = ch["b_end"][k + 1][j] + ch["link"][k]
+            ready = max(ready, ch["last"][d] + (ch["stall"][d] * ch["stall_share"][d] if kind < 2 else 0.0))
             if ready <= t + eps:
                 if kind >= 2:
-                    work, weight = (ch["tail"][s], ch["wt"][s]) if kind == 2 else (ch["head"][s], ch["wh"][s])
+                    work, weight = (ch["tail"][d], ch["wt"][d]) if kind == 2 else (ch["head"][d], ch["wh"][d])
                 else:
-                    work = (ch["fwd"] if kind == 0 else ch["bwd"])[j][s]
-                    weight = (ch["wf"] if kind == 0 else ch["wb"])[j][s]
-                running[i] = [float(work), max(float(weight), 1e-9), kind, j]
+                    work = (ch["fwd"] if kind == 0 else ch["bwd"])[j][k]
+                    weight = (ch["wf"] if kind == 0 else ch["wb"])[j][k]
+                running[i] = [float(work), max(float(weight), 1e-9), kind, k, j]
             else:
                 pending.append(ready)
         finished = [i for i, r in running.items() if r[0] <= eps]
@@ -268,22 +274,24 @@ def shared_1f1b(chains: list[Chain], cores: float, corun: float = 1.0,
             if pending:
                 dt = min(dt, min(pending) - t)
             if not np.isfinite(dt):
-                raise RuntimeError("shared 1F1B schedule deadlocked (a bug: the order is deadlock-free)")
+                raise RuntimeError("shared 1F1B schedule deadlocked (a bug, or an `ops` order that cannot run)")
             for r in running.values():
                 r[0] -= rate * dt
             t += dt
             finished = [i for i, r in running.items() if r[0] <= eps * max(1.0, t)]
-        # processes busy beside a stage whose operation ends: they hold the cores its transfer's
+        # processes busy beside a device whose operation ends: they hold the cores its transfer's
         # threads wait for, so they set how much of its Chain.stall comes before its next operation
         others = sum(r[1] for k, r in running.items() if k not in finished)
         for i in finished:
-            c, s, ops = stages[i]
-            _, _, kind, j = running.pop(i)
-            st[c]["stall_share"][s] = stall_share(others, cores)
+            c, d, ops = stages[i]
+            _, _, kind, k, j = running.pop(i)
+            ch = st[c]
+            ch["stall_share"][d] = stall_share(others, cores)
             if kind < 2:
-                (st[c]["f_end"] if kind == 0 else st[c]["b_end"])[s][j] = t
-                st[c]["flush"] = max(st[c]["flush"], t)
-            st[c]["end"] = max(st[c]["end"], t)
+                (ch["f_end"] if kind == 0 else ch["b_end"])[k][j] = t
+                ch["flush"], ch["last"][d] = max(ch["flush"], t), t
+                ch["left"][d] -= 1
+            ch["end"] = max(ch["end"], t)
             ptr[i] += 1
             done += 1
     ends = [ch["end"] for ch in st]

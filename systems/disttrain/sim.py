@@ -105,8 +105,8 @@ def simulate_step(layout, step, kit) -> StepCost:
     tp, pp, dp, cp, vpp = K["tp"], K["pp"], K["dp"], K["cp"], layout.details.get("vpp", 1)
     comm, mp = layout.details.get("cp_comm") or "a2a", K["tp"] * K["cp"]
     size = dp * mbs
-    # Columns until the schedule is priced: encoder, the backbone's pp x vpp virtual stages
-    # (chunk c of PP rank s is c x pp + s), generator; per rank after it (_per_rank).
+    # Columns: encoder, the backbone's pp x vpp virtual stages (chunk c of PP rank s is c x pp + s),
+    # generator; the schedules run them in each rank's order (bench.sim.interleaved.chain_ops).
     V = pp * vpp
     m, S = B // size, V + 2
     enc, gen = bc.per_sample("encoder"), bc.per_sample("generator")
@@ -161,36 +161,27 @@ def simulate_step(layout, step, kit) -> StepCost:
         work, transit = bridge
         fwd, bwd = fwd + work, bwd + work
         links[0], links[-1] = transit, transit
-    order = step.reorder and rd is None
-    interleaved = None
-    if vpp > 1:
-        if not cluster.shared_cores:
-            interleaved, fwd, bwd = _interleaved(kit, fwd, bwd, links, vpp, order)
-        # per rank from here; shared cores price a rank's chunks as one plain-1F1B stage, as
-        # Megatron's simulation does (no interleaved order under processor sharing)
-        fwd, bwd = _per_rank(fwd, pp, vpp), _per_rank(bwd, pp, vpp)
-        wf, wb = _per_rank(wf, pp, vpp, mean=True), _per_rank(wb, pp, vpp, mean=True)
-        links, S = [links[0]] + links[1:pp] + [links[-1]], pp + 2
-    if order and fwd.shape[0] > 1 and cluster.shared_cores:
-        o = inter_microbatch_order(fwd + bwd, search="fast")
+    order, shared = step.reorder and rd is None, cluster.shared_cores
+    if shared and order and m > 1:           # ranked by the ranks' work, as the exact schedule cannot be
+        o = inter_microbatch_order(_per_rank(fwd + bwd, pp, vpp), search="fast")
         fwd, bwd, wf, wb = fwd[o], bwd[o], wf[o], wb[o]
-        order = False
-    if interleaved is None:
+    elif not shared and vpp > 1:
+        res, fwd, bwd = _interleaved(kit, fwd, bwd, links, vpp, order)
+    elif not shared:
         fwd, bwd, res, _ = schedule.order_microbatches(fwd, bwd, links, order)
-    else:
-        res = interleaved
+    # per rank (encoder, PP ranks, generator) from here; the shared-core schedule keeps the columns
+    dev_f, dev_b, S = _per_rank(fwd, pp, vpp), _per_rank(bwd, pp, vpp), pp + 2
     # Each module syncs its gradients and steps its optimizer once its own last backward is done
     # (the generator's, early in the flush, hides behind the encoder's last backwards); the
     # backbone's stages meet first at its optimizer's gradient-norm all-reduce (tail_group).
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
-    shared = cluster.shared_cores
     for key, lay, inflight in (("encoder", E, encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
         mem.append(C.distributed_optimizer_bytes(p, lay["dp"], cluster.value_bytes)
                    + inflight * C.activation_bytes(tok_max[key], sh[key], sh[key].layers, lay["tp"], rc))
         col = 0 if key == "encoder" else S - 1
         ranks[col] = lay["tp"] * lay["dp"]
-        tail[col] = (_dp_sync(kit, p, lay["dp"], ranks[col] > gpn, cluster, ov, fwd[0, col], bwd[-1, col],
+        tail[col] = (_dp_sync(kit, p, lay["dp"], ranks[col] > gpn, cluster, ov, dev_f[0, col], dev_b[-1, col],
                               ranks[col] if shared else None)
                      + _alone(C.optimizer_time(p / lay["dp"], cluster), cluster))
     for s, (_, params, n) in enumerate(stages):
@@ -200,7 +191,8 @@ def simulate_step(layout, step, kit) -> StepCost:
         mem.append(C.distributed_optimizer_bytes(params / tp, dp * cp, cluster.value_bytes) + a
                    + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0.0))
         ranks[1 + s] = mp * dp
-        tail[1 + s] = (_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, fwd[0, 1 + s], bwd[-1, 1 + s],
+        tail[1 + s] = (_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, dev_f[0, 1 + s],
+                                dev_b[-1, 1 + s],
                                 ranks[1 + s] if shared else None)
                        + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
     group = [-1] + [0] * pp + [-1]
@@ -212,8 +204,9 @@ def simulate_step(layout, step, kit) -> StepCost:
         # Their loading too: a later module's ranks load while the encoder's compute, and the
         # pipeline waits for the encoder ranks' data alone (the data wait the step shows)
         heads = heads / cluster.host_slowdown      # as work: the processor sharing slows it (_alone)
+        # each rank runs its chunks in the runtime's interleaved order (systems.pipeline_order)
         chain = schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group, _stalls(cluster, E, G, dp, pp, S),
-                               head=heads, wh=ranks)
+                               head=heads, wh=ranks, ops=kit.interleaved.chain_ops(pp, vpp, m, True) if vpp > 1 else None)
         end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.schedule_corun(),
                                                cluster.oversubscribed_slowdown)
         # the step's data wait: the encoder ranks' loading priced alone (processor sharing may
@@ -240,11 +233,9 @@ def _interleaved(kit, fwd, bwd, links, vpp: int, reorder: bool):
     return (alt, fwd[o], bwd[o]) if alt.iteration_time < base.iteration_time else (base, fwd, bwd)
 
 
-def _per_rank(x, pp: int, vpp: int, mean: bool = False):
-    """[m, pp x vpp + 2] per virtual stage -> [m, pp + 2] per rank: each PP rank's chunks summed
-    (mean: averaged, for the cores an operation keeps busy)."""
-    inner = x[:, 1:-1].reshape(x.shape[0], vpp, pp)
-    inner = inner.mean(1) if mean else inner.sum(1)
+def _per_rank(x, pp: int, vpp: int):
+    """[m, pp x vpp + 2] per virtual stage -> [m, pp + 2] per rank: each PP rank's chunks summed."""
+    inner = x[:, 1:-1].reshape(x.shape[0], vpp, pp).sum(1)
     return np.concatenate([x[:, :1], inner, x[:, -1:]], axis=1)
 
 

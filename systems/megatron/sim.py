@@ -6,8 +6,8 @@ are balanced over replicas (workloads.reorder) and microbatches ordered when the
 schedule agrees; with the trainers' order (validation) exactly their assignment is priced.
 With vpp > 1 each device holds vpp chunks of pp x vpp virtual stages (encoder in the first,
 generator in the last) under the exact interleaved schedule (bench.sim.interleaved), in the
-drawn microbatch order; on shared-core (CPU) clusters a device's chunks are priced as one plain
-1F1B stage. sp splits the backbone's non-TP activations over TP (the encoder and generator keep
+drawn microbatch order, on shared-core (CPU) clusters under processor sharing (schedule.Chain.ops).
+sp splits the backbone's non-TP activations over TP (the encoder and generator keep
 theirs, as the measured runs do). overlap hides each device's DP reduce-scatter behind its last
 microbatch's backward and its all-gather behind its first forward (bench.sim.overlap; with
 interleaving the whole device's backward, where megatron starts each chunk's sync after that
@@ -80,12 +80,12 @@ def simulate_step(layout, step, kit) -> StepCost:
         dev_f, dev_b = _per_device(fwd, pp), _per_device(bwd, pp)
         pipe, busy = max(pipe, res.iteration_time), busy + mp * float(fwd.sum() + bwd.sum())
         hide_f, hide_b = np.minimum(hide_f, dev_f[0]), np.minimum(hide_b, dev_b[-1])
-        # Shared cores price a device's chunks as one plain-1F1B stage (no interleaved order there).
-        # each stage sleeps on its send/recv to each neighbour beyond their idle cost (0 unless
-        # the processes outnumber the shared cores: Cluster.handoff_stall)
+        # On shared cores each device runs its chunks in the same order (Chain.ops). Each sleeps on
+        # its send/recv to each neighbour beyond their idle cost (0 unless the processes outnumber
+        # the shared cores: Cluster.handoff_stall)
         stall = np.array([(s > 0) + (s < pp - 1) for s in range(pp)]) * cluster.handoff_stall("p2p")
-        chains.append(schedule.Chain(dev_f, dev_b, links[:pp - 1], _cores(mp, cpu_f, dev_f, pp),
-                                     _cores(mp, cpu_b, dev_b, pp), stall=stall))
+        chains.append(schedule.Chain(fwd, bwd, links, _cores(mp, cpu_f, fwd), _cores(mp, cpu_b, bwd), stall=stall,
+                                     ops=kit.interleaved.chain_ops(pp, vpp, len(mbl)) if vpp > 1 else None))
         max_etok = max(max_etok, max(etok[m].sum() for m in mbl))
         max_gtok = max(max_gtok, max(gtok[m].sum() for m in mbl))
         first = first or [[float(enc[m].sum()), len(m) * C.backbone_stage(w, 1, 0)[0], float(gen[m].sum())]
@@ -127,10 +127,9 @@ def _per_device(x, pp: int):
     return x.reshape(x.shape[0], -1, pp).sum(1)
 
 
-def _cores(mp: int, cpu, dev, pp: int):
-    """[m, pp]: cores a device's operations keep busy: mp ranks x their busy share of the time."""
-    c = _per_device(cpu, pp)
-    return mp * np.divide(c, dev, out=np.ones_like(dev), where=dev > 0)
+def _cores(mp: int, cpu, seconds):
+    """Cores each operation keeps busy: mp ranks x their busy share of its time."""
+    return mp * np.divide(cpu, seconds, out=np.ones_like(seconds), where=seconds > 0)
 
 
 def _dp_sync(kit, params, dp, spans, cluster, overlap, forward_s, backward_s) -> tuple[float, float]:
