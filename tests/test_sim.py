@@ -11,7 +11,7 @@ import pytest
 from bench.records import validate_record
 from bench.sim import costs as C
 from bench.sim.cluster import CLUSTERS, Cluster, get_cluster
-from bench.sim.estimate import work_stats
+from bench.sim.estimate import SIMULATED_CANDIDATES, work_stats
 from bench.sim.kit import Kit
 from bench.sim.schedule import estimate_1f1b, one_f_one_b, stage_ops
 from bench.sim.simulate import resolve_layout, simulate, simulate_record
@@ -968,13 +968,28 @@ def test_gpu_layout_searches_name_the_fused_attention_they_price():
         assert r["layout"]["attention"] == "sdpa"
 
 
+def test_shortlist_keeps_the_k_best_and_the_best_of_each_kind():
+    from bench.sim.estimate import Shortlist
+    short = Shortlist(2)
+    for score, kind in ((3.0, "a"), (1.0, "b"), (2.0, "b"), (5.0, "c"), (0.5, "b"), (float("inf"), "d")):
+        short.add(score, kind, (score, kind))
+    assert short.items() == [(0.5, "b"), (1.0, "b"), (3.0, "a"), (5.0, "c")]
+    assert short.best("a") == 3.0 and short.best("d") == float("inf")
+    assert short.bound() == 5.0          # a "c" below 5 would still enter
+    short.add(4.0, "c", (4.0, "c"))
+    assert short.bound() == 4.0 and (5.0, "c") not in short.items()
+
+
 def test_disttrain_search_keeps_the_faster_of_its_plain_and_interleaved_plans():
     """The closed form cannot see interleaving's bursts of chunk-0 forwards asked of the encoder,
-    so the search hands its best plain and best interleaved plan to the simulator."""
+    so the search hands its few best plans, and its best plain and best interleaved one, to the
+    simulator."""
     w = get_workload("mllm-9b")
     st = work_stats(w, w.global_batch_size, w.micro_batch_size)
     plans = disttrain_search.best_plans(KIT, w, 256, H100, st)
-    assert sorted(p["vpp"] > 1 for p in plans) == [False, True]
+    assert {p["vpp"] > 1 for p in plans} == {False, True}
+    estimates = [disttrain_search.per_sample(p, "estimate_s") for p in plans]
+    assert estimates == sorted(estimates) and len(plans) <= SIMULATED_CANDIDATES + 2
     per_sample = []
     for plan in plans:
         r = simulate("mllm-9b", "disttrain", {**disttrain_search.options_of(plan), "overlap": True}, 256,

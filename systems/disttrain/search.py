@@ -13,11 +13,13 @@ DP x microbatch within kit.estimate.BATCH_TOLERANCE (plans for this runtime: DP 
 encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus;
 per backbone, plain 1F1B and the fewest interleaving chunks (vpp) within VPP_TOLERANCE of its
 best (interleaved 1F1B needs pp > 1 and the microbatches a multiple of pp; measured plans stay
-plain); the best plan of each kind goes to the simulator, which picks (`best_plans`).
+plain; an interleaved backbone may round the batch to a multiple of DP x microbatch x PP);
+the few best plans and the best of each kind go to the simulator, which picks (`best_plans`).
 Plans are compared by estimated seconds per sample, since their batches may differ.
 Pruning in `best_plans`, per kind (exact in the estimate except step 2's proxy):
   1. backbone configurations are visited by ascending lower bound (their own time, no
-     encoder/generator) and the search stops once the bound reaches the best plan found;
+     encoder/generator) and the search stops once the bound reaches the shortlist's
+     (kit.estimate.Shortlist: its k-th best and each kind's best);
   2. for encoder and generator, per GPU count g the TP degree minimizing w x time + transfers
      + sync is kept, then a running minimum over g (more GPUs may always be left idle), for
      w = m (the group is the pipeline's bottleneck) and w = 1 (it is not);
@@ -137,23 +139,32 @@ def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> di
 
 
 def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> list[dict]:
-    """The best plain-1F1B plan and the best interleaved one (vpp > 1) by the estimate, those that
-    exist. Both are kept for the simulator to choose: interleaving asks the encoder for chunk 0's
-    forwards in bursts of pp, which the closed form does not see (systems.pipeline_order)."""
+    """The plans for the simulator to choose from, best estimate first: the few best by the
+    estimate (kit.estimate.Shortlist) and the best plain-1F1B and interleaved (vpp > 1) ones.
+    Interleaving asks the encoder for chunk 0's forwards in bursts of pp, which the closed form
+    does not see (systems.pipeline_order). An interleaved backbone may round the batch to a
+    multiple of DP x microbatch x PP (interleaved 1F1B needs the microbatches a multiple of pp)."""
     cands = []
+    est = kit.estimate
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus - 2, recompute):
-        for dp, batch in kit.estimate.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False):
-            for lb, vpp, bp in _interleavings(kit, w, replace(st, B=batch), cluster, tp, pp, dp, rc, cp, comm):
-                cands.append((lb / batch, rc, tp, pp, dp, batch, bp.stage_s, bp.links, bp.sync_s, bp.num_microbatches,
-                              cp, comm, vpp))
+        for dp, batch in est.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False):
+            batches = {batch: False}
+            whole = est.rounded_batch(st.B, dp * st.mbs * pp) if pp > 1 else None
+            if whole is not None and whole != batch:
+                batches[whole] = True                    # only its interleaved plans
+            for b, chunked_only in batches.items():
+                for lb, vpp, bp in _interleavings(kit, w, replace(st, B=b), cluster, tp, pp, dp, rc, cp, comm):
+                    if vpp > 1 or not chunked_only:
+                        cands.append((lb / b, rc, tp, pp, dp, b, bp.stage_s, bp.links, bp.sync_s,
+                                      bp.num_microbatches, cp, comm, vpp))
     cands.sort(key=lambda c: c[:6])
-    kinds = {c[-1] > 1 for c in cands}
-    best, tables = dict.fromkeys(kinds), {}
+    kinds = {c[3] if c[-1] > 1 else 0 for c in cands}
+    short, tables = est.Shortlist(), {}
     for lb, rc, tp, pp, dp, batch, t_b, links, sync, m, cp, comm, vpp in cands:
-        if all(best[k] is not None and lb >= per_sample(best[k], "estimate_s") for k in kinds):
+        kind = pp if vpp > 1 else 0           # plain, or interleaved over pp ranks
+        if lb >= short.bound() and set(short.kinds) == kinds:
             break
-        kind = vpp > 1
-        if best[kind] is not None and lb >= per_sample(best[kind], "estimate_s"):
+        if lb >= max(short.bound() if len(short.top) == short.k else np.inf, short.best(kind)):
             continue
         key = (rc, pp, dp, m, vpp)
         if key not in tables:
@@ -162,6 +173,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
         options = [[_table(rows, weight, sync, num_gpus - 2) for weight in {m, 1}] for rows in tables[key]]
         R = num_gpus - tp * cp * pp * dp
         ge = np.arange(1, R)
+        best = None
         for enc, gen in product(*options):
             E, G = enc[ge], gen[R - ge]
             stage_max = np.maximum(np.maximum(E[:, 1], G[:, 1]), t_b.max())
@@ -170,10 +182,11 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
                          + 2 * (sum(links) + E[:, 2] + G[:, 2]) + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
             total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
             k = int(np.argmin(total))
-            better = best[kind] is None or total[k] / batch < per_sample(best[kind], "estimate_s")
-            if np.isfinite(total[k]) and better:
-                best[kind] = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm, vpp)
-    return [p for p in best.values() if p is not None]
+            if np.isfinite(total[k]) and (best is None or total[k] < best["estimate_s"]):
+                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm, vpp)
+        if best is not None:
+            short.add(per_sample(best, "estimate_s"), kind, best)
+    return short.items()
 
 
 # Extra chunks are priced as free hops beyond their transfers, though each adds messages and
@@ -216,7 +229,8 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
     """Every plan of at most (exact: exactly) `num_gpus` devices: TP powers of two <= gpus_per_node
     dividing the heads, PP dividing the layers, backbone DP with the batch rounded to a multiple
     of DP x microbatch (exact: DP x microbatch dividing the batch, as the runtime requires), every
-    interleaving (vpp) the microbatches admit (exact: none; plan=auto keeps measured runs plain)."""
+    interleaving (vpp) the microbatches admit, or those of the batch rounded to a multiple of DP x
+    microbatch x PP (exact: none; plan=auto keeps measured runs plain)."""
     C, gpn = kit.costs, cluster.gpus_per_node
     side = {k: [(tp, dp) for tp in C.image_tp_choices(gpn, C.module_shapes(w)[k], padded=not exact)
                 for dp in range(1, num_gpus // tp + 1)]
@@ -225,16 +239,19 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus, recompute):
         if exact and cp > 1:
             continue
+        chunked = [v for v in C.divisors(w.backbone.num_layers // pp) if v > 1] if pp > 1 and not exact else []
         for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * cp * pp), exact):
-            m = batch // (dp * st.mbs)
-            chunks = [1] + ([v for v in C.divisors(w.backbone.num_layers // pp) if v > 1]
-                            if pp > 1 and m % pp == 0 and not exact else [])
-            for (te, de), (tg, dg), vpp in product(side["encoder"], side["generator"], chunks):
-                used = tp * cp * pp * dp + te * de + tg * dg
-                if used == num_gpus or (not exact and used < num_gpus):
-                    yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
-                           "generator": {"tp": tg, "dp": dg}, "recompute": rc, "global_batch_size": batch,
-                           "cp_comm": comm, "vpp": vpp}
+            runs = [(batch, [1] + (chunked if (batch // (dp * st.mbs)) % pp == 0 else []))]
+            whole = kit.estimate.rounded_batch(st.B, dp * st.mbs * pp) if chunked else None
+            if whole is not None and whole != batch:          # the batch an interleaved backbone may round to
+                runs.append((whole, chunked))
+            for b, chunks in runs:
+                for (te, de), (tg, dg), vpp in product(side["encoder"], side["generator"], chunks):
+                    used = tp * cp * pp * dp + te * de + tg * dg
+                    if used == num_gpus or (not exact and used < num_gpus):
+                        yield {"encoder": {"tp": te, "dp": de}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                               "generator": {"tp": tg, "dp": dg}, "recompute": rc, "global_batch_size": b,
+                               "cp_comm": comm, "vpp": vpp}
 
 
 def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True), objective: str = "estimate",
@@ -398,9 +415,10 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
             if disaggregated is None or per_sample(plan, "simulated_s") < per_sample(disaggregated, "simulated_s"):
                 disaggregated = plan
         how = ("disaggregated: pruned search over module TP/DP and backbone TP/CP/PP/DP (CP all-to-all or ring) by "
-               "the 1F1B estimate (brute-force tested), the best plain and the best interleaved (vpp) plan, the faster "
-               "by the simulator; colocated: every plan on the most ranks that admit one, "
-               "ranked by its estimate within memory, the best 6 simulated; the faster of the two by the simulator")
+               f"the 1F1B estimate (brute-force tested), its {kit.estimate.SIMULATED_CANDIDATES} best and the best "
+               "plain and interleaved (vpp) plans, the fastest by the simulator; colocated: every plan on the most "
+               "ranks that admit one, ranked by its estimate within memory, the best 6 simulated; the faster of the "
+               "two by the simulator")
     colocated = None if placement == "disaggregated" else best_colocated_plan(kit, w, num_devices, cluster, st, seed,
                                                                                exact)
     found = [p for p in (disaggregated, colocated) if p is not None and np.isfinite(p.get("simulated_s", np.inf))]

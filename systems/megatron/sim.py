@@ -224,12 +224,14 @@ VPP_TOLERANCE = 0.005
 
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
            recompute=(False, True), fixed=None) -> dict | None:
-    """The best single (tp, cp, pp, dp, vpp) layout by the estimate per sample: a fair monolithic
-    baseline, with what practitioners turn on: sequence parallelism whenever TP > 1 (it only
+    """The fastest single (tp, cp, pp, dp, vpp) layout: the closed-form estimate per sample ranks
+    every layout, the simulator picks from its few best (kit.estimate.Shortlist), as DistTrain's
+    search does. A fair monolithic baseline, with what practitioners turn on: sequence parallelism whenever TP > 1 (it only
     saves memory here), DP communication overlap, interleaving (the fewest chunks within
     VPP_TOLERANCE of the best) and context parallelism (cp a power of two, all-to-all or ring,
     systems.cp.choices; what long sequences need to fit). Not exact: any DP, the batch rounded to
-    a multiple of DP x microbatch (kit.estimate.batch_dps), as DistTrain's search does. exact:
+    a multiple of DP x microbatch (kit.estimate.batch_dps; x PP to interleave), as DistTrain's
+    search does. exact:
     every device used (dp = num_devices / (tp * cp * pp)), DP dividing the batch, no
     recomputation, CP all-to-all only (what runs)."""
     if fixed:
@@ -251,7 +253,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
 
     # Seconds per sample are at least work / (pp x dp x mbs), the mean device's share of a microbatch
     # (any vpp: interleaving moves work between devices, not its sum). Groups are visited by that
-    # bound at their largest DP, and DP downwards, until it reaches the best estimate found: exact.
+    # bound at their largest DP, and DP downwards, until it reaches the shortlist's bound: exact.
     groups = []
     for rc, tp, pp in product((False,) if exact else recompute, C.tp_choices(cluster.gpus_per_node, *heads),
                               C.divisors(w.backbone.num_layers)):
@@ -264,28 +266,58 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
             work = float((t_f + t_b).sum()) / (pp * st.mbs)
             groups.append((work / (num_devices // (tp * cp * pp)), work, rc, tp, pp, cp, comm))
     groups.sort(key=lambda g: g[:1])
-    best = None
+    E = kit.estimate
+    short = E.Shortlist()
     for bound, work, rc, tp, pp, cp, comm in groups:
-        if best is not None and bound >= best["estimate_s"] / best["global_batch_size"]:
+        if bound >= short.bound():
             break
-        dps = kit.estimate.batch_dps(st, num_devices // (tp * cp * pp), exact)
+        dps = E.batch_dps(st, num_devices // (tp * cp * pp), exact)
         for dp, batch in sorted(dps, reverse=True):
             if exact and tp * cp * pp * dp != num_devices:
                 continue
-            if best is not None and work / dp >= best["estimate_s"] / best["global_batch_size"]:
+            if work / dp >= short.bound():
                 break
-            sb = replace(st, B=batch)
-            scores = {vpp: _estimate(w, sb, cluster, kit, stages(tp, pp, rc, vpp, cp, comm), tp, pp, dp, vpp, True, cp)
-                      for vpp in (C.divisors(w.backbone.num_layers // pp) if pp > 1 else (1,))}
-            top = min(scores.values())
-            if not np.isfinite(top):
-                continue
-            vpp = min(v for v, t in scores.items() if t <= (1 + VPP_TOLERANCE) * top)
-            if best is None or scores[vpp] / batch < best["estimate_s"] / best["global_batch_size"]:
-                best = {"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": tp > 1, "vpp": vpp,
-                                    "overlap": True, "cp": cp, "cp_comm": comm},
-                        "estimate_s": scores[vpp], "global_batch_size": batch}
+            for layout in _layouts(w, st, cluster, kit, stages, tp, pp, dp, rc, cp, comm, batch, exact):
+                kind = pp if layout["options"]["vpp"] > 1 else 0          # plain, or interleaved over pp
+                short.add(layout["estimate_s"] / layout["global_batch_size"], kind, layout)
+    best = None
+    for layout in short.items():
+        # re-scored as DistTrain's search re-scores its own: one batch by the simulator (exact: in
+        # the trainers' data order, for the runtime)
+        order = {"data_order": "none", "reorder": False} if exact else {}
+        r = kit.simulate(w, "megatron", layout["options"], num_devices, cluster, seed=seed, num_batches=1,
+                         global_batch_size=layout["global_batch_size"], micro_batch_size=st.mbs, **order)
+        layout["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
+        per = layout["simulated_s"] / layout["global_batch_size"]
+        if np.isfinite(per) and (best is None or per < best["simulated_s"] / best["global_batch_size"]):
+            best = layout
     if best is not None:
         best["search"] = ("every (tp, cp, pp, dp, vpp, recompute) with sequence parallelism (TP > 1), DP overlap and "
-                          "CP all-to-all or ring, ranked by the closed-form (interleaved) 1F1B estimate per sample")
+                          "CP all-to-all or ring, ranked by the closed-form (interleaved) 1F1B estimate per sample; "
+                          f"its {E.SIMULATED_CANDIDATES} best and the best plain and interleaved layouts, the fastest "
+                          "by the simulator")
     return best
+
+
+def _layouts(w, st, cluster, kit, stages, tp, pp, dp, rc, cp, comm, batch, exact) -> list[dict]:
+    """The plain layout of (tp, cp, pp, dp) and its interleaved one (the fewest chunks within
+    VPP_TOLERANCE of its best), those that fit. Interleaving needs the microbatches per replica
+    a multiple of pp: unless exact, its batch may be rounded to a multiple of DP x mbs x PP."""
+    found = []
+    sb = replace(st, B=batch)
+    plain = _estimate(w, sb, cluster, kit, stages(tp, pp, rc, 1, cp, comm), tp, pp, dp, 1, True, cp)
+    if np.isfinite(plain):
+        found.append((1, plain, batch))
+    if pp > 1:
+        whole = batch if (batch // (dp * st.mbs)) % pp == 0 or exact else kit.estimate.rounded_batch(
+            st.B, dp * st.mbs * pp)
+        if whole is not None:
+            sb = replace(st, B=whole)
+            scores = {vpp: _estimate(w, sb, cluster, kit, stages(tp, pp, rc, vpp, cp, comm), tp, pp, dp, vpp, True, cp)
+                      for vpp in kit.costs.divisors(w.backbone.num_layers // pp) if vpp > 1}
+            top = min(scores.values(), default=float("inf"))
+            if np.isfinite(top):
+                vpp = min(v for v, t in scores.items() if t <= (1 + VPP_TOLERANCE) * top)
+                found.append((vpp, scores[vpp], whole))
+    return [{"options": {"tp": tp, "pp": pp, "dp": dp, "recompute": rc, "sp": tp > 1, "vpp": vpp, "overlap": True,
+                         "cp": cp, "cp_comm": comm}, "estimate_s": t, "global_batch_size": b} for vpp, t, b in found]
