@@ -126,9 +126,14 @@ def estimate_module_chain(stage_fb, links, m: int, v: int) -> float:
     [encoder, pp backbone devices (their chunks summed), generator] forward + backward, links =
     [encoder, p v - 1 backbone, generator]. Fill and drain cross the encoder, every chunk once
     (1 / v of each device) and the generator; the steady state runs at the slowest stage, with
-    the backbone's last (1 - 1 / v) share of its slowest device (estimate's form). v = 1 is
-    bench.sim.schedule.estimate_1f1b of the whole chain."""
+    the backbone's last (1 - 1 / v) share of its slowest device (estimate's form). The generator
+    overlaps only one chunk of the last device per microbatch: in the interleaved order that
+    device asks for microbatch j's gradient one (forward, backward) pair after sending j + 1
+    forward, so a generator slower than a chunk adds what it exceeds it by (exact for identical
+    microbatches; the encoder, two forwards ahead, is not charged so: it waits less, tests show
+    by how much). v = 1 is bench.sim.schedule.estimate_1f1b of the whole chain."""
     t = np.asarray(stage_fb, dtype=np.float64)
     inner = t[1:-1]
-    return float(t[0] + t[-1] + inner.sum() / v + (m - 1) * t.max() + (1 - 1 / v) * inner.max()
+    period = max(t.max(), inner[-1] * (1 - 1 / v) + t[-1])
+    return float(t[0] + t[-1] + inner.sum() / v + (m - 1) * period + (1 - 1 / v) * inner.max()
                  + 2.0 * float(np.sum(links)))

@@ -177,6 +177,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
         for enc, gen in product(*options):
             E, G = enc[ge], gen[R - ge]
             stage_max = np.maximum(np.maximum(E[:, 1], G[:, 1]), t_b.max())
+            stage_max = np.maximum(stage_max, t_b[-1] * (1 - 1 / vpp) + G[:, 1])    # the generator's share
             with np.errstate(invalid="ignore"):       # kit.interleaved.estimate_module_chain, vectorized
                 total = (t_b.sum() / vpp + (1 - 1 / vpp) * t_b.max() + E[:, 1] + G[:, 1] + (m - 1) * stage_max
                          + 2 * (sum(links) + E[:, 2] + G[:, 2]) + np.maximum(np.maximum(E[:, 3], G[:, 3]), sync))
