@@ -205,8 +205,9 @@ def simulate_step(layout, step, kit) -> StepCost:
         # pipeline waits for the encoder ranks' data alone (the data wait the step shows)
         heads = heads / cluster.host_slowdown      # as work: the processor sharing slows it (_alone)
         # each rank runs its chunks in the runtime's interleaved order (systems.pipeline_order)
+        ops = kit.interleaved.chain_ops(pp, vpp, m, ends=True) if vpp > 1 else None
         chain = schedule.Chain(fwd, bwd, links, wf, wb, tail, ranks, group, _stalls(cluster, E, G, dp, pp, S),
-                               head=heads, wh=ranks, ops=kit.interleaved.chain_ops(pp, vpp, m, True) if vpp > 1 else None)
+                               head=heads, wh=ranks, ops=ops)
         end, _, (pipe,) = schedule.shared_1f1b([chain], shared, cluster.schedule_corun(),
                                                cluster.oversubscribed_slowdown)
         # the step's data wait: the encoder ranks' loading priced alone (processor sharing may

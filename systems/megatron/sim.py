@@ -225,15 +225,14 @@ VPP_TOLERANCE = 0.005
 def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch_size, exact,
            recompute=(False, True), fixed=None) -> dict | None:
     """The fastest single (tp, cp, pp, dp, vpp) layout: the closed-form estimate per sample ranks
-    every layout, the simulator picks from its few best (kit.estimate.Shortlist), as DistTrain's
-    search does. A fair monolithic baseline, with what practitioners turn on: sequence parallelism whenever TP > 1 (it only
-    saves memory here), DP communication overlap, interleaving (the fewest chunks within
-    VPP_TOLERANCE of the best) and context parallelism (cp a power of two, all-to-all or ring,
-    systems.cp.choices; what long sequences need to fit). Not exact: any DP, the batch rounded to
-    a multiple of DP x microbatch (kit.estimate.batch_dps; x PP to interleave), as DistTrain's
-    search does. exact:
-    every device used (dp = num_devices / (tp * cp * pp)), DP dividing the batch, no
-    recomputation, CP all-to-all only (what runs)."""
+    every layout and the simulator picks from its few best (kit.estimate.Shortlist), as
+    DistTrain's search does. A fair monolithic baseline, with what practitioners turn on:
+    sequence parallelism whenever TP > 1 (it only saves memory here), DP communication overlap,
+    interleaving (the fewest chunks within VPP_TOLERANCE of the best) and context parallelism (cp a
+    power of two, all-to-all or ring, systems.cp.choices; what long sequences need to fit). Not
+    exact: any DP, the batch rounded to a multiple of DP x microbatch (kit.estimate.batch_dps;
+    x PP to interleave), as DistTrain's search does. exact: every device used (dp = num_devices /
+    (tp * cp * pp)), DP dividing the batch, no recomputation, CP all-to-all only (what runs)."""
     if fixed:
         raise ConfigError(f"megatron's layout search keeps no option fixed ({', '.join(fixed)}); "
                           "give the whole layout instead of --layout auto")
