@@ -79,9 +79,10 @@ class Shortlist:
         kth = self.top[-1][0] if len(self.top) == self.k else float("inf")
         return max([kth] + [e[0] for e in self.kinds.values()])
 
-    def best(self, kind) -> float:
-        """The lowest score of a kind so far (inf if none)."""
-        return self.kinds[kind][0] if kind in self.kinds else float("inf")
+    def admits(self, score: float, kind) -> bool:
+        """Whether a candidate of this score and kind would enter."""
+        return len(self.top) < self.k or score < self.top[-1][0] or kind not in self.kinds or \
+            score < self.kinds[kind][0]
 
     def items(self) -> list:
         """The candidates, best score first."""

@@ -164,7 +164,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
         kind = pp if vpp > 1 else 0           # plain, or interleaved over pp ranks
         if lb >= short.bound() and set(short.kinds) == kinds:
             break
-        if lb >= max(short.bound() if len(short.top) == short.k else np.inf, short.best(kind)):
+        if not short.admits(lb, kind):
             continue
         key = (rc, pp, dp, m, vpp)
         if key not in tables:
