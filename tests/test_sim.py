@@ -11,7 +11,7 @@ import pytest
 from bench.records import validate_record
 from bench.sim import costs as C
 from bench.sim.cluster import CLUSTERS, Cluster, get_cluster
-from bench.sim.estimate import SIMULATED_CANDIDATES, work_stats
+from bench.sim.estimate import SIMULATED_CANDIDATES, pipeline_kind, work_stats
 from bench.sim.kit import Kit
 from bench.sim.schedule import estimate_1f1b, one_f_one_b, stage_ops
 from bench.sim.simulate import resolve_layout, simulate, simulate_record
@@ -989,7 +989,7 @@ def test_disttrain_search_keeps_the_faster_of_its_plain_and_interleaved_plans():
     plans = disttrain_search.best_plans(KIT, w, 256, H100, st)
     assert {p["vpp"] > 1 for p in plans} == {False, True}
     estimates = [disttrain_search.per_sample(p, "estimate_s") for p in plans]
-    kinds = {p["backbone"]["pp"] if p["vpp"] > 1 else 0 for p in plans}      # plain, interleaved per pp
+    kinds = {pipeline_kind(p["backbone"]["pp"], p["vpp"]) for p in plans}
     assert estimates == sorted(estimates) and len(plans) <= SIMULATED_CANDIDATES + len(kinds)
     per_sample = []
     for plan in plans:

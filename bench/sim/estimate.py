@@ -53,7 +53,7 @@ def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int 
 
 
 # How many of its best candidates by the closed-form estimate a layout search hands the simulator
-# (besides the best of each kind, plain and interleaved): the estimate prices identical mean
+# (besides the best of each kind: plain, and interleaved over each pp, pipeline_kind): the estimate prices identical mean
 # microbatches and equal links, and its argmin is not always the simulator's (6 Dec: with the
 # batch rounded so more layouts interleave, DistTrain's estimate picked plans the simulator finds
 # 2-4% slower). Our choice, weighed against each simulation's cost at 1172 GPUs (~1 s).
@@ -88,6 +88,21 @@ class Shortlist:
         """The candidates, best score first."""
         entries = {e[1]: e for e in self.top + list(self.kinds.values())}
         return [e[3] for e in sorted(entries.values(), key=lambda e: e[:2])]
+
+
+def pipeline_kind(pp: int, vpp: int) -> int:
+    """A Shortlist kind: 0 for a plain pipeline, else its pp (the closed form misprices
+    interleaving differently at each depth, so each keeps its best candidate)."""
+    return pp if vpp > 1 else 0
+
+
+def interleaved_batch(st: "Stats", dp: int, pp: int, batch: int, exact: bool = False) -> int | None:
+    """The global batch an interleaved backbone of DP `dp` and `pp` stages runs: `batch` (st.B as a
+    search rounded it for DP) when its microbatches per replica are a multiple of pp, as
+    interleaved 1F1B needs; else (not exact) st.B rounded to a multiple of DP x mbs x PP; else None."""
+    if (batch // (dp * st.mbs)) % pp == 0:
+        return batch
+    return None if exact else rounded_batch(st.B, dp * st.mbs * pp)
 
 
 def batch_dps(st: "Stats", max_dp: int, exact: bool) -> list[tuple[int, int]]:

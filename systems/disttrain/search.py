@@ -149,7 +149,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
     for rc, tp, pp, cp, comm in _backbones(kit, w, cluster, num_gpus - 2, recompute):
         for dp, batch in est.batch_dps(st, (num_gpus - 2) // (tp * cp * pp), exact=False):
             batches = {batch: False}
-            whole = est.rounded_batch(st.B, dp * st.mbs * pp) if pp > 1 else None
+            whole = est.interleaved_batch(st, dp, pp, batch) if pp > 1 else None
             if whole is not None and whole != batch:
                 batches[whole] = True                    # only its interleaved plans
             for b, chunked_only in batches.items():
@@ -158,10 +158,10 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
                         cands.append((lb / b, rc, tp, pp, dp, b, bp.stage_s, bp.links, bp.sync_s,
                                       bp.num_microbatches, cp, comm, vpp))
     cands.sort(key=lambda c: c[:6])
-    kinds = {c[3] if c[-1] > 1 else 0 for c in cands}
+    kinds = {est.pipeline_kind(c[3], c[-1]) for c in cands}
     short, tables = est.Shortlist(), {}
     for lb, rc, tp, pp, dp, batch, t_b, links, sync, m, cp, comm, vpp in cands:
-        kind = pp if vpp > 1 else 0           # plain, or interleaved over pp ranks
+        kind = est.pipeline_kind(pp, vpp)
         if lb >= short.bound() and set(short.kinds) == kinds:
             break
         if not short.admits(lb, kind):
@@ -242,8 +242,8 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
             continue
         chunked = [v for v in C.divisors(w.backbone.num_layers // pp) if v > 1] if pp > 1 and not exact else []
         for dp, batch in kit.estimate.batch_dps(st, num_gpus // (tp * cp * pp), exact):
-            runs = [(batch, [1] + (chunked if (batch // (dp * st.mbs)) % pp == 0 else []))]
-            whole = kit.estimate.rounded_batch(st.B, dp * st.mbs * pp) if chunked else None
+            whole = kit.estimate.interleaved_batch(st, dp, pp, batch) if chunked else None
+            runs = [(batch, [1] + (chunked if whole == batch else []))]
             if whole is not None and whole != batch:          # the batch an interleaved backbone may round to
                 runs.append((whole, chunked))
             for b, chunks in runs:

@@ -277,8 +277,8 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
             if work / dp >= short.bound():
                 break
             for layout in _layouts(w, st, cluster, kit, stages, tp, pp, dp, rc, cp, comm, batch, exact):
-                kind = pp if layout["options"]["vpp"] > 1 else 0          # plain, or interleaved over pp
-                short.add(layout["estimate_s"] / layout["global_batch_size"], kind, layout)
+                short.add(layout["estimate_s"] / layout["global_batch_size"],
+                          E.pipeline_kind(pp, layout["options"]["vpp"]), layout)
     best = None
     for layout in short.items():
         # re-scored as DistTrain's search re-scores its own: one batch by the simulator (exact: in
@@ -308,8 +308,7 @@ def _layouts(w, st, cluster, kit, stages, tp, pp, dp, rc, cp, comm, batch, exact
     if np.isfinite(plain):
         found.append((1, plain, batch))
     if pp > 1:
-        whole = batch if (batch // (dp * st.mbs)) % pp == 0 or exact else kit.estimate.rounded_batch(
-            st.B, dp * st.mbs * pp)
+        whole = kit.estimate.interleaved_batch(st, dp, pp, batch, exact)
         if whole is not None:
             sb = replace(st, B=whole)
             scores = {vpp: _estimate(w, sb, cluster, kit, stages(tp, pp, rc, vpp, cp, comm), tp, pp, dp, vpp, True, cp)
