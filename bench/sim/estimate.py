@@ -10,6 +10,7 @@ import numpy as np
 
 from bench.sim import costs as C
 from bench.sim import interleaved
+from bench.sim import overlap as overlap_model
 from bench.sim.batch import draw_batch
 from workloads.presets import Workload
 
@@ -20,8 +21,8 @@ from workloads.presets import Workload
 BATCH_TOLERANCE = 0.05
 
 # Encoder/generator tokens per rank assumed 2x the mean for memory checks (a batch's largest
-# microbatch, not its mean, must fit) where images are spread over ranks; a rank of whole samples
-# uses memory_tokens instead.
+# microbatch, not its mean, must fit) where colocated ranks hold whole samples and the drawn
+# batch's largest sample is not known; images spread over ranks use spread_tokens instead.
 MEM_HEADROOM = 2.0
 
 
@@ -43,6 +44,18 @@ def memory_tokens(st: Stats, key: str, samples: int) -> float:
     if st.max_sample_tokens is None:
         return max(MEM_HEADROOM * samples * st.tokens[key], st.max_tokens[key])
     return max(samples * st.max_sample_tokens[key], st.max_tokens[key])
+
+
+def spread_tokens(st: Stats, key: str, samples: int, ranks):
+    """Encoder / generator tokens the most loaded of `ranks` ranks (may be an array) holds when the
+    images of one microbatch of `samples` samples are spread over them, balanced as
+    workloads.reorder balances them: Graham's list-scheduling bound twice - balancing the drawn
+    batch into microbatches leaves one at most its mean plus the batch's largest sample, and
+    placing its images leaves a rank at most its share plus the largest image. The balancing is by
+    FLOPs, which grow with tokens: over 126 plans of mllm-9b/15b/72b (1 to 32 ranks, 8 to 64
+    samples) the simulator held 1.09 to 2.3x fewer tokens than this (docs/validation-log.md, 6 Dec)."""
+    total = samples * st.tokens[key] + st.max_sample_tokens[key]
+    return np.minimum(total, total / np.asarray(ranks, dtype=np.float64) + st.max_tokens[key])
 
 
 def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int | None:
@@ -130,21 +143,24 @@ def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 
 class BackbonePipeline:
     stage_s: np.ndarray     # forward + backward of one microbatch per stage
     links: list             # stage-to-stage transfer per microbatch and direction
-    sync_s: float           # the slowest stage's data-parallel sync
+    sync_s: float           # the slowest stage's data-parallel sync (exposed, with overlap)
     fits: bool              # every stage within the cluster's memory
     num_microbatches: int
 
 
 def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recompute: bool,
-                      stages_after: int, cp: int = 1, cp_comm: str = "a2a", vpp: int = 1) -> BackbonePipeline:
+                      stages_after: int, cp: int = 1, cp_comm: str = "a2a", vpp: int = 1,
+                      overlap: bool = False) -> BackbonePipeline:
     """The backbone split into `pp` stages at TP `tp`, CP `cp` (bench.sim.context) and DP `dp`;
     `stages_after`: stages that follow it in the chain (a generator group), which keep more
     microbatches in flight (one more warm-up forward each: systems.pipeline_order); `vpp` chunks
     per stage under interleaved 1F1B (stage_s sums a stage's chunks; links: one per virtual
-    boundary, pp x vpp - 1)."""
+    boundary, pp x vpp - 1); `overlap`: the DP sync's exposed part when it hides behind a stage's
+    first forward and last backward (bench.sim.overlap, megatron DDP's buckets), as simulated."""
     sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
     m, mp = st.B // (dp * st.mbs), tp * cp
-    t, ok, sync = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm), True, 0.0
+    fwd, bwd = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm)
+    ok, sync, bucket = True, 0.0, overlap_model.megatron_bucket_params(dp * cp)
     for s in range(pp):
         f, params, n = C.backbone_stage(w, pp, s)
         chunk = C.activation_bytes(st.mbs * seq / cp, sh, n / vpp, tp, recompute)
@@ -152,16 +168,18 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
                + interleaved.peak_activations(s, pp, vpp, m, [chunk] * vpp, extra_warmup=stages_after)
                + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         ok &= bool(mem <= cluster.memory_bytes)
-        sync = max(sync, float(C.dp_sync_time(params / tp, dp * cp, mp * dp > gpn, cluster)))
+        sync = max(sync, overlap_model.dp_sync(params / tp, dp * cp, mp * dp > gpn, cluster, overlap=overlap,
+                                               bucket_params=bucket, forward_s=fwd[s], backward_s=bwd[s]))
     links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp * vpp - 1)
-    return BackbonePipeline(np.array(t), links, sync, ok, m)
+    return BackbonePipeline(fwd + bwd, links, sync, ok, m)
 
 
 _STAGES: dict = {}
 
 
-def _stage_times(w, mbs: int, cluster, tp: int, pp: int, recompute: bool, cp: int, cp_comm: str) -> list[float]:
-    """Forward + backward seconds of one microbatch per backbone stage: independent of DP, so a
+def _stage_times(w, mbs: int, cluster, tp: int, pp: int, recompute: bool, cp: int,
+                 cp_comm: str) -> tuple[np.ndarray, np.ndarray]:
+    """(Forward, backward) seconds of one microbatch per backbone stage: independent of DP, so a
     search computes them once per (tp, pp, cp) (memoized on the workload's and cluster's identity)."""
     key = (id(w), id(cluster), mbs, tp, pp, recompute, cp, cp_comm)
     hit = _STAGES.get(key)
@@ -169,7 +187,8 @@ def _stage_times(w, mbs: int, cluster, tp: int, pp: int, recompute: bool, cp: in
         if len(_STAGES) > 4096:
             _STAGES.clear()
         sh, seq = C.module_shapes(w)["backbone"], w.backbone.seq_length
-        t = [float(sum(C.module_fb(mbs * f, mbs * seq, "backbone", sh, n, tp, cluster, recompute, cp=cp,
-                                   cp_comm=cp_comm))) for f, _, n in (C.backbone_stage(w, pp, s) for s in range(pp))]
+        t = np.array([[float(x) for x in C.module_fb(mbs * f, mbs * seq, "backbone", sh, n, tp, cluster, recompute,
+                                                     cp=cp, cp_comm=cp_comm)]
+                      for f, _, n in (C.backbone_stage(w, pp, s) for s in range(pp))])
         hit = _STAGES[key] = (w, cluster, t)
-    return list(hit[2])
+    return hit[2][:, 0].copy(), hit[2][:, 1].copy()

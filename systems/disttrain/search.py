@@ -4,7 +4,8 @@ per-GPU memory limit, from the shared cost model (`kit`).
 Objective: the closed-form iteration estimate of kit.interleaved.estimate_module_chain over mean
 per-sample costs of a drawn batch (sum of stage times + (m - 1) x the slowest + transfers;
 with vpp chunks per backbone stage the backbone's fill and drain shrink to 1 / vpp)
-plus the slowest module's data-parallel sync. The exact simulator then scores the result.
+plus the slowest module's data-parallel sync (what is exposed of it behind the module's first forward and
+last backward when overlapped, as both searches run their plans). The exact simulator then scores the result.
 
 Search space: TP powers of two <= gpus_per_node dividing the module's heads (and KV groups);
 PP dividing the backbone's layers; backbone CP a power of two, all-to-all or ring where
@@ -40,9 +41,10 @@ from systems.disttrain.plan import PLACEMENTS, parse_plan, plan_text, validate_p
 from systems.pipeline_order import encoder_inflight
 
 
-def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
+def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc, overlap):
     """Encoder/generator group of TP `tp` and DP `dp` (array) serving `samples` per microbatch:
-    (f+b time, transfer to/from the backbone, sync, memory-feasible), all arrays over dp."""
+    (f+b time, transfer to/from the backbone, sync (exposed, with overlap), memory-feasible), all
+    arrays over dp."""
     C = kit.costs
     sh, gpn = C.module_shapes(w)[key], cluster.gpus_per_node
     dp = np.asarray(dp, dtype=np.float64)
@@ -53,8 +55,11 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc):
     link = (C.p2p_time(tk, hb, tp, cluster, True) if key == "encoder"
             else C.p2p_time(samples * w.generator.num_cond_tokens / dp, hb, 1, cluster, True))
     params = C.shard_params(sh, tp)
-    sync = C.dp_sync_time(params, dp, tp * dp > gpn, cluster)
-    tk_mem = np.maximum(kit.estimate.MEM_HEADROOM * tk, st.max_tokens[key])
+    O = kit.overlap
+    sync = np.array([O.dp_sync(params, int(d), tp * d > gpn, cluster, overlap=overlap,
+                               bucket_params=O.megatron_bucket_params(int(d)), forward_s=float(fd), backward_s=float(bd))
+                     for d, fd, bd in np.broadcast(dp, f, b)]).reshape(dp.shape)
+    tk_mem = kit.estimate.spread_tokens(st, key, samples, eff)
     mem = (C.distributed_optimizer_bytes(params, dp, cluster.value_bytes)
            + inflight * C.activation_bytes(tk_mem, sh, sh.layers, tp, rc))
     return f + b, link, sync, mem <= cluster.memory_bytes
@@ -65,12 +70,12 @@ def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float
     `cache`: a dict kept across calls of one search (same workload, stats and cluster), where
     backbone pipelines and encoder / generator groups are looked up rather than priced again."""
     cache = {} if cache is None else cache
-    K, rc, vpp = plan["backbone"], plan.get("recompute", False), plan.get("vpp", 1)
+    K, rc, vpp, ov = plan["backbone"], plan.get("recompute", False), plan.get("vpp", 1), plan.get("overlap", False)
     st = replace(st, B=plan.get("global_batch_size", st.B))
-    key = ("backbone", K["tp"], K["pp"], K["dp"], rc, K.get("cp", 1), plan.get("cp_comm", "a2a"), st.B, vpp)
+    key = ("backbone", K["tp"], K["pp"], K["dp"], rc, K.get("cp", 1), plan.get("cp_comm", "a2a"), st.B, vpp, ov)
     if key not in cache:
         cache[key] = kit.estimate.backbone_pipeline(w, st, cluster, K["tp"], K["pp"], K["dp"], rc, 1, *key[5:7],
-                                                    vpp=vpp)
+                                                    vpp=vpp, overlap=ov)
     bp = cache[key]
     t_b, links, sync_b, ok, m = bp.stage_s, bp.links, bp.sync_s, bp.fits, bp.num_microbatches
     if vpp > 1 and (K["pp"] == 1 or m % K["pp"]):
@@ -78,9 +83,10 @@ def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float
     samples = K["dp"] * st.mbs
     parts = []
     for name, inflight in (("encoder", encoder_inflight(K["pp"], vpp, m)), ("generator", 1)):
-        key = (name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc)
+        key = (name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc, ov)
         if key not in cache:
-            cache[key] = _side(kit, w, st, cluster, name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc)
+            cache[key] = _side(kit, w, st, cluster, name, plan[name]["tp"], plan[name]["dp"], samples, inflight, rc,
+                               ov)
         parts.append(cache[key])
     if not (ok and all(bool(p[3]) for p in parts)):
         return float("inf")
@@ -90,12 +96,12 @@ def estimate_plan(kit, w, st, cluster, plan, cache: dict | None = None) -> float
             + max(sync_b, float(se), float(sg)))
 
 
-def _sides(kit, w, st, cluster, key, samples, inflight, rc, n):
+def _sides(kit, w, st, cluster, key, samples, inflight, rc, n, overlap):
     """All (tp, dp) groups of at most n GPUs: rows (g, time, link, sync, tp, dp), infeasible dropped."""
     C, rows = kit.costs, []
     for tp in C.image_tp_choices(cluster.gpus_per_node, C.module_shapes(w)[key], padded=True):
         dp = np.arange(1, n // tp + 1)
-        t, link, sync, ok = _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc)
+        t, link, sync, ok = _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc, overlap)
         one = np.ones_like(dp, dtype=np.float64)
         rows.append(np.stack([tp * dp, t * one, link * one, sync * one, tp * one, dp], 1)[ok])
     return np.concatenate(rows)
@@ -114,10 +120,10 @@ def _table(rows, weight, sync_floor, n):
     return best[pick]
 
 
-def _plan(tp, pp, dp, te, tg, rc, est, batch, cp=1, comm="a2a", vpp=1):
+def _plan(tp, pp, dp, te, tg, rc, est, batch, cp=1, comm="a2a", vpp=1, overlap=False):
     return {"encoder": {"tp": int(te[4]), "dp": int(te[5])}, "backbone": {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
             "generator": {"tp": int(tg[4]), "dp": int(tg[5])}, "recompute": rc, "estimate_s": float(est),
-            "global_batch_size": batch, "cp_comm": comm, "vpp": vpp}
+            "global_batch_size": batch, "cp_comm": comm, "vpp": vpp, "overlap": overlap}
 
 
 def per_sample(plan: dict, key: str) -> float:
@@ -132,15 +138,16 @@ def options_of(plan: dict) -> dict:
             "cp_comm": plan.get("cp_comm", "a2a"), "vpp": int(plan.get("vpp", 1))}
 
 
-def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> dict | None:
+def best_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True), overlap: bool = True) -> dict | None:
     """DistTrain plan minimizing the estimated seconds per sample, or None if nothing fits."""
-    plans = best_plans(kit, w, num_gpus, cluster, st, recompute)
+    plans = best_plans(kit, w, num_gpus, cluster, st, recompute, overlap)
     return min(plans, key=lambda p: per_sample(p, "estimate_s")) if plans else None
 
 
-def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> list[dict]:
+def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), overlap: bool = True) -> list[dict]:
     """The plans for the simulator to choose from, best estimate first: the few best by the
-    estimate (kit.estimate.Shortlist) and the best plain-1F1B and interleaved (vpp > 1) ones.
+    estimate (kit.estimate.Shortlist) and the best plain-1F1B and interleaved (vpp > 1) ones,
+    every module's DP sync overlapped with its compute (`overlap`, as the plans then run).
     Interleaving asks the encoder for chunk 0's forwards in bursts of pp, which the closed form
     does not see (systems.pipeline_order). An interleaved backbone may round the batch to a
     multiple of DP x microbatch x PP (interleaved 1F1B needs the microbatches a multiple of pp)."""
@@ -153,7 +160,8 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
             if whole is not None and whole != batch:
                 batches[whole] = True                    # only its interleaved plans
             for b, chunked_only in batches.items():
-                for lb, vpp, bp in _interleavings(kit, w, replace(st, B=b), cluster, tp, pp, dp, rc, cp, comm):
+                for lb, vpp, bp in _interleavings(kit, w, replace(st, B=b), cluster, tp, pp, dp, rc, cp, comm,
+                                                  overlap):
                     if vpp > 1 or not chunked_only:
                         cands.append((lb / b, rc, tp, pp, dp, b, bp.stage_s, bp.links, bp.sync_s,
                                       bp.num_microbatches, cp, comm, vpp))
@@ -168,7 +176,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
             continue
         key = (rc, pp, dp, m, vpp)
         if key not in tables:
-            tables[key] = [_sides(kit, w, st, cluster, k, dp * st.mbs, inflight, rc, num_gpus - 2)
+            tables[key] = [_sides(kit, w, st, cluster, k, dp * st.mbs, inflight, rc, num_gpus - 2, overlap)
                            for k, inflight in (("encoder", encoder_inflight(pp, vpp, m)), ("generator", 1))]
         options = [[_table(rows, weight, sync, num_gpus - 2) for weight in {m, 1}] for rows in tables[key]]
         R = num_gpus - tp * cp * pp * dp
@@ -184,7 +192,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
             total = np.where(np.isfinite(E[:, 0]) & np.isfinite(G[:, 0]), total, np.inf)
             k = int(np.argmin(total))
             if np.isfinite(total[k]) and (best is None or total[k] < best["estimate_s"]):
-                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm, vpp)
+                best = _plan(tp, pp, dp, E[k], G[k], rc, total[k], batch, cp, comm, vpp, overlap)
         if best is not None:
             short.add(per_sample(best, "estimate_s"), kind, best)
     return short.items()
@@ -196,7 +204,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True)) -> l
 VPP_TOLERANCE = 0.005
 
 
-def _interleavings(kit, w, st, cluster, tp, pp, dp, rc, cp, comm) -> list[tuple]:
+def _interleavings(kit, w, st, cluster, tp, pp, dp, rc, cp, comm, overlap) -> list[tuple]:
     """(the backbone's own estimate, vpp, its BackbonePipeline) of the plain pipeline and of the
     fewest chunks per PP rank > 1 within VPP_TOLERANCE of the best interleaving (vpp dividing the
     stage's layers; only with pp > 1 and the microbatches a multiple of pp, as interleaved 1F1B
@@ -206,7 +214,7 @@ def _interleavings(kit, w, st, cluster, tp, pp, dp, rc, cp, comm) -> list[tuple]
                     else [])
     scored = []
     for vpp in chunks:
-        bp = kit.estimate.backbone_pipeline(w, st, cluster, tp, pp, dp, rc, 1, cp, comm, vpp=vpp)
+        bp = kit.estimate.backbone_pipeline(w, st, cluster, tp, pp, dp, rc, 1, cp, comm, vpp=vpp, overlap=overlap)
         if bp.fits:
             own = kit.interleaved.estimate_module_chain([0.0, *bp.stage_s, 0.0], [0.0, *bp.links, 0.0], m, vpp)
             scored.append((own + bp.sync_s, vpp, bp))
@@ -256,11 +264,12 @@ def all_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), exact
 
 
 def brute_force_plan(kit, w, num_gpus: int, cluster, st, recompute=(False, True), objective: str = "estimate",
-                     seed: int = 0, **sim_kwargs) -> tuple[dict | None, float]:
+                     seed: int = 0, overlap: bool = True, **sim_kwargs) -> tuple[dict | None, float]:
     """Every plan, no pruning; objective "estimate" (as best_plan) or "simulate" (exact simulator),
     in seconds per sample of the plan's own batch."""
     best, best_v, cache = None, float("inf"), {}
     for plan in all_plans(kit, w, num_gpus, cluster, st, recompute):
+        plan["overlap"] = overlap
         batch = plan["global_batch_size"]
         if objective == "estimate":
             v = estimate_plan(kit, w, st, cluster, plan, cache) / batch
@@ -407,9 +416,8 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
                "their estimate simulated (measured runs: no CP)")
     else:
         disaggregated = None
-        for plan in best_plans(kit, w, num_devices, cluster, st):
-            # Every module is a megatron DDP model: overlap its DP sync, as the Megatron baseline's search does.
-            plan["overlap"] = True
+        # Every module is a megatron DDP model: overlap its DP sync, as the Megatron baseline's search does.
+        for plan in best_plans(kit, w, num_devices, cluster, st, overlap=True):
             r = kit.simulate(w, "disttrain", options_of(plan), num_devices, cluster, seed=seed,
                              num_batches=1, global_batch_size=plan["global_batch_size"], micro_batch_size=st.mbs)
             plan["simulated_s"] = r["iteration_time_s"] if r["feasible"] else float("inf")
