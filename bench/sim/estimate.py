@@ -160,7 +160,7 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
     sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
     m, mp = st.B // (dp * st.mbs), tp * cp
     fwd, bwd = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm)
-    ok, sync, bucket = True, 0.0, overlap_model.megatron_bucket_params(dp * cp)
+    ok, syncs, bucket = True, {}, overlap_model.megatron_bucket_params(dp * cp)
     for s in range(pp):
         f, params, n = C.backbone_stage(w, pp, s)
         chunk = C.activation_bytes(st.mbs * seq / cp, sh, n / vpp, tp, recompute)
@@ -168,10 +168,12 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
                + interleaved.peak_activations(s, pp, vpp, m, [chunk] * vpp, extra_warmup=stages_after)
                + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         ok &= bool(mem <= cluster.memory_bytes)
-        sync = max(sync, overlap_model.dp_sync(params / tp, dp * cp, mp * dp > gpn, cluster, overlap=overlap,
-                                               bucket_params=bucket, forward_s=fwd[s], backward_s=bwd[s]))
+        at = (params, fwd[s], bwd[s])                 # the middle stages are alike: price each kind once
+        if at not in syncs:
+            syncs[at] = overlap_model.dp_sync(params / tp, dp * cp, mp * dp > gpn, cluster, overlap=overlap,
+                                              bucket_params=bucket, forward_s=fwd[s], backward_s=bwd[s])
     links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp * vpp - 1)
-    return BackbonePipeline(fwd + bwd, links, sync, ok, m)
+    return BackbonePipeline(fwd + bwd, links, max(syncs.values()), ok, m)
 
 
 _STAGES: dict = {}

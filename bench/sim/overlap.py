@@ -46,12 +46,6 @@ def exposed(comm: float, compute: float, buckets: int) -> float:
     return max(0.0, (n - 1) / n * (comm - compute)) + comm / n
 
 
-def bucketed(collective, params: float, buckets: int) -> float:
-    """Total time of `buckets` collectives over params / buckets each; `collective(params)`
-    prices one (so each bucket pays its own latency)."""
-    return buckets * float(collective(params / buckets))
-
-
 def dp_sync(params_per_gpu: float, dp: int, spans_nodes: bool, cluster, *, overlap: bool, bucket_params: float,
             forward_s: float = 0.0, backward_s: float = 0.0, gather_overlaps: bool = True,
             ranks: int | None = None, gradient: str = "reduce_scatter") -> float:
@@ -77,7 +71,6 @@ def dp_sync_split(params_per_gpu: float, dp: int, spans_nodes: bool, cluster, *,
         rs, ag = parts(params_per_gpu)
         return float(rs), float(ag)
     n = num_buckets(params_per_gpu, bucket_params)
-    rs = bucketed(lambda x: parts(x)[0], params_per_gpu, n)
-    ag = bucketed(lambda x: parts(x)[1], params_per_gpu, n)
+    rs, ag = (n * float(x) for x in parts(params_per_gpu / n))      # bucketed: each bucket pays its latency
     return exposed(rs, backward_s, n), (exposed(ag, forward_s, n) if gather_overlaps
                                         else float(parts(params_per_gpu)[1]))
