@@ -10,22 +10,25 @@ from systems.base import ConfigError, get_system
 from tests.helpers import DEEP, assert_parity, assert_step_phases, run_record
 from workloads.presets import get_workload
 
+LOCAL, SDPA = {}, {"attention": "sdpa"}
 PLANS = [
-    (4, "enc:1x2,llm:1x1x1,gen:1x1", "disaggregated"),   # DP fan-in at encoder -> backbone
-    (4, "enc:1x1,llm:1x1x2,gen:1x1", "disaggregated"),   # DP fan-out at encoder -> backbone
-    (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated"),   # TP broadcast, fan-in at backbone -> generator
-    (4, "enc:1x1,llm:1x2x1,gen:1x1", "disaggregated"),   # backbone pipeline inside the module pipeline
-    (2, "enc:1x2,llm:2x1x1,gen:1x2", "colocated"),       # every module on both ranks, own TP/DP
-    (2, "enc:1x2,llm:1x1x2,gen:1x2", "colocated"),       # equal layouts: the boundaries move nothing
+    (4, "enc:1x2,llm:1x1x1,gen:1x1", "disaggregated", LOCAL),   # DP fan-in at encoder -> backbone
+    (4, "enc:1x1,llm:1x1x2,gen:1x1", "disaggregated", LOCAL),   # DP fan-out at encoder -> backbone
+    (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated", LOCAL),   # TP broadcast, fan-in at backbone -> generator
+    # the backbone pipeline inside the module pipeline, torch SDPA in every module (the reference: local)
+    (4, "enc:1x1,llm:1x2x1,gen:1x1", "disaggregated", SDPA),
+    (2, "enc:1x2,llm:2x1x1,gen:1x2", "colocated", LOCAL),       # every module on both ranks, own TP/DP
+    (2, "enc:1x2,llm:1x1x2,gen:1x2", "colocated", LOCAL),       # equal layouts: the boundaries move nothing
 ]
 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc,plan,placement", PLANS)
-def test_plan_reproduces_reference(tmp_path, reference, nproc, plan, placement):
-    record = run_record("disttrain", nproc, {"plan": plan, "placement": placement}, tmp_path / "r.jsonl")
-    assert_parity(record, reference)
+@pytest.mark.parametrize("nproc,plan,placement,sets", PLANS)
+def test_plan_reproduces_reference(tmp_path, reference, nproc, plan, placement, sets):
+    record = run_record("disttrain", nproc, {"plan": plan, "placement": placement, **sets}, tmp_path / "r.jsonl")
+    assert record["layout"]["label"].endswith("-sdpa") == (sets is SDPA)
+    assert_parity(record, reference, rel=1e-5)
     moved, want = record["metrics"]["weight_update_norm"], reference["metrics"]["weight_update_norm"]
     for module in ("encoder", "backbone", "generator"):
         assert want[module] > 0
@@ -66,15 +69,6 @@ def test_attention_option_labels_round_trip(nproc, sets, label):
     assert simulated["cp_comm"] == "ring" and simulated["plan"] == "enc:1x4,llm:2x2x4,gen:1x4"
     with pytest.raises(ConfigError, match="attention='flash'"):
         resolve("disttrain", "tiny", nproc, {**sets, "attention": "flash"})
-
-
-@pytest.mark.multiprocess
-def test_sdpa_attention_matches_the_local_attention(tmp_path, reference):
-    """torch SDPA in every module of the module pipeline (PP 2 inside it), on the CPU."""
-    record = run_record("disttrain", 4, {"plan": "enc:1x1,llm:1x2x1,gen:1x1", "attention": "sdpa"},
-                        tmp_path / "r.jsonl")
-    assert record["layout"]["label"] == "enc:1x1,llm:1x2x1,gen:1x1-sdpa"
-    assert_parity(record, reference, rel=1e-5)
 
 
 @pytest.mark.multiprocess
