@@ -161,8 +161,9 @@ def test_memory_shrinks_with_model_parallelism():
 
 def test_spread_tokens_bounds_the_balanced_batch():
     """A drawn batch balanced into microbatches and its images over ranks as DistTrain's runtime and
-    simulator balance them (workloads.reorder) never loads a rank beyond kit.estimate.spread_tokens,
-    and the bound is not vacuous (within 2.5x of the most loaded rank)."""
+    simulator balance them (workloads.reorder, by FLOPs) loads no rank beyond what
+    kit.estimate.spread_tokens expects (from tokens), and the expectation is not vacuous (within
+    2.5x of the most loaded rank)."""
     w = get_workload("mllm-9b")
     st, bc = work_stats(w, 256, 1), C.batch_costs(w, draw_batch(w, 256, 0, 0))
     sc = [ModuleCost(e, 0.0, g) for e, g in zip(bc.per_sample("encoder"), bc.per_sample("generator"))]

@@ -4,7 +4,8 @@ the per-stage times, links, sync and memory fit of a backbone pipeline (bench.si
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +36,9 @@ class Stats:
     images: dict      # mean images per sample
     max_tokens: dict  # tokens of the largest single image
     max_sample_tokens: dict | None = None   # tokens of the drawn batch's largest sample
+    sample_tokens: dict | None = None       # tokens of each of the drawn batch's samples
+    # balanced_microbatch_tokens, memoized: it depends on the drawn batch only (shared by replace)
+    balanced: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def memory_tokens(st: Stats, key: str, samples: int) -> float:
@@ -46,16 +50,36 @@ def memory_tokens(st: Stats, key: str, samples: int) -> float:
     return max(samples * st.max_sample_tokens[key], st.max_tokens[key])
 
 
+def balanced_microbatch_tokens(st: Stats, key: str, samples: int) -> float:
+    """Encoder / generator tokens of the heaviest microbatch when the drawn batch is split into
+    microbatches of `samples` samples, balanced: largest sample first into the lightest
+    microbatch with room (workloads.reorder balances by FLOPs, which grow with tokens; a batch
+    that does not divide leaves its lightest samples out)."""
+    memo = (key, samples)
+    if memo not in st.balanced:
+        tokens = np.sort(np.asarray(st.sample_tokens[key], dtype=np.float64))[::-1]
+        m = max(1, len(tokens) // samples)
+        heap, room = [(0.0, i) for i in range(m)], [samples] * m
+        for t in tokens[:m * samples]:
+            total, i = heapq.heappop(heap)
+            while not room[i]:                  # full microbatches leave the heap for good
+                total, i = heapq.heappop(heap)
+            room[i] -= 1
+            heapq.heappush(heap, (total + t, i))
+        st.balanced[memo] = max(total for total, _ in heap)
+    return st.balanced[memo]
+
+
 def spread_tokens(st: Stats, key: str, samples: int, ranks):
     """Encoder / generator tokens the most loaded of `ranks` ranks (may be an array) holds when the
-    images of one microbatch of `samples` samples are spread over them, balanced as
-    workloads.reorder balances them: Graham's list-scheduling bound twice - balancing the drawn
-    batch into microbatches leaves one at most its mean plus the batch's largest sample, and
-    placing its images leaves a rank at most its share plus the largest image. The balancing is by
-    FLOPs, which grow with tokens: over 126 plans of mllm-9b/15b/72b (1 to 32 ranks, 8 to 64
-    samples) the simulator held 1.09 to 2.3x fewer tokens than this (docs/validation-log.md, 6 Dec)."""
-    total = samples * st.tokens[key] + st.max_sample_tokens[key]
-    return np.minimum(total, total / np.asarray(ranks, dtype=np.float64) + st.max_tokens[key])
+    images of one microbatch of `samples` samples are spread over them: a rank's share of the
+    heaviest balanced microbatch (balanced_microbatch_tokens) plus one largest image (Graham's
+    list-scheduling bound for placing its images largest first; at one rank the image is the
+    margin for balancing by FLOPs, as the runtime and the simulator do, rather than by tokens).
+    Not a guarantee: over 528 plans of five workloads (2 to 120 samples, 1 to 32 ranks) the
+    simulator held 1.01 to 2.6x fewer tokens (docs/validation-log.md, 6 Dec 07:20)."""
+    total = balanced_microbatch_tokens(st, key, samples)
+    return total / np.asarray(ranks, dtype=np.float64) + st.max_tokens[key]
 
 
 def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int | None:
@@ -136,7 +160,8 @@ def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 
                  {"encoder": bc.enc_tokens.sum() / n, "generator": bc.gen_tokens.sum() / n},
                  {"encoder": len(bc.enc_flops) / n, "generator": len(bc.gen_flops) / n},
                  {"encoder": float(bc.enc_tokens.max(initial=0)), "generator": float(bc.gen_tokens.max(initial=0))},
-                 {k: float(bc.per_sample_tokens(k).max(initial=0)) for k in ("encoder", "generator")})
+                 {k: float(bc.per_sample_tokens(k).max(initial=0)) for k in ("encoder", "generator")},
+                 {k: bc.per_sample_tokens(k) for k in ("encoder", "generator")})
 
 
 @dataclass(frozen=True)
