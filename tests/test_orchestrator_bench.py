@@ -13,7 +13,7 @@ GPUS = 1172
 @pytest.mark.benchmark(group="orchestrator")      # -m "not benchmark" leaves it out
 def test_best_plan_mllm72b_1172_gpus(benchmark):
     w = get_workload("mllm-72b")
-    found = benchmark.pedantic(search_layout, args=(w, "disttrain", GPUS, get_cluster("h100")), rounds=3,
+    found = benchmark.pedantic(search_layout, args=(w, "disttrain", GPUS, get_cluster("h100")), rounds=2,
                                iterations=1)
     assert found is not None
     layout = resolve_layout(w, "disttrain", found["options"], GPUS, found["global_batch_size"], w.micro_batch_size)
