@@ -21,12 +21,6 @@ from workloads.presets import Workload
 # hyperparameters still hold. Throughput is then compared per sample.
 BATCH_TOLERANCE = 0.05
 
-# Encoder/generator tokens per rank assumed 2x the mean for memory checks (a batch's largest
-# microbatch, not its mean, must fit) where colocated ranks hold whole samples and the drawn
-# batch's largest sample is not known; images spread over ranks use spread_tokens instead.
-MEM_HEADROOM = 2.0
-
-
 @dataclass(frozen=True)
 class Stats:
     B: int            # global batch (samples)
@@ -35,8 +29,8 @@ class Stats:
     tokens: dict      # mean tokens per sample (image patches; latent + condition tokens)
     images: dict      # mean images per sample
     max_tokens: dict  # tokens of the largest single image
-    max_sample_tokens: dict | None = None   # tokens of the drawn batch's largest sample
-    sample_tokens: dict | None = None       # tokens of each of the drawn batch's samples
+    max_sample_tokens: dict   # tokens of the drawn batch's largest sample
+    sample_tokens: dict       # tokens of each of the drawn batch's samples
     # balanced_microbatch_tokens, memoized: it depends on the drawn batch only (shared by replace)
     balanced: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -44,9 +38,7 @@ class Stats:
 def memory_tokens(st: Stats, key: str, samples: int) -> float:
     """Encoder / generator tokens a rank running `samples` whole samples per microbatch must fit:
     `samples` x the drawn batch's largest sample (what the simulator holds for every microbatch in
-    flight on that batch when samples = 1; an upper bound above), else MEM_HEADROOM x the mean."""
-    if st.max_sample_tokens is None:
-        return max(MEM_HEADROOM * samples * st.tokens[key], st.max_tokens[key])
+    flight on that batch when samples = 1; an upper bound above)."""
     return max(samples * st.max_sample_tokens[key], st.max_tokens[key])
 
 

@@ -328,8 +328,9 @@ def _colocated_module(kit, w, st, cluster, key, ranks: int, tp: int, rc: bool, b
         per_sample, tokens, mb_tokens = C.backbone_stage(w, 1, 0)[0], w.backbone.seq_length, st.mbs * w.backbone.seq_length / cp
     else:
         per_sample, tokens = st.flops[key], st.tokens[key]
-        rows = backbone_dp * st.mbs / dp              # samples per rank in one microbatch
-        mb_tokens = max(kit.estimate.MEM_HEADROOM * rows * tokens, st.max_tokens[key])
+        # one microbatch's images spread over the module's DP ranks, as the simulator spreads them
+        size = backbone_dp * st.mbs
+        mb_tokens = float(kit.estimate.spread_tokens(st, key, size, min(dp, max(size * st.images[key], 1.0))))
     f, b = C.module_fb(samples * per_sample, samples * tokens, key, sh, sh.layers, tp, cluster, rc, cp=cp, cp_comm=comm)
     params = C.shard_params(sh, tp)
     sync = C.dp_sync_time(params, dp * cp, ranks > gpn, cluster)
