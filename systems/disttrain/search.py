@@ -55,9 +55,10 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc, overlap):
     link = (C.p2p_time(tk, hb, tp, cluster, True) if key == "encoder"
             else C.p2p_time(samples * w.generator.num_cond_tokens / dp, hb, 1, cluster, True))
     params = C.shard_params(sh, tp)
-    O = kit.overlap
+    O = kit.overlap                 # one DP degree at a time: its bucket size depends on it (scalar model)
     sync = np.array([O.dp_sync(params, int(d), tp * d > gpn, cluster, overlap=overlap,
-                               bucket_params=O.megatron_bucket_params(int(d)), forward_s=float(fd), backward_s=float(bd))
+                               bucket_params=O.megatron_bucket_params(int(d)), forward_s=float(fd),
+                               backward_s=float(bd))
                      for d, fd, bd in np.broadcast(dp, f, b)]).reshape(dp.shape)
     tk_mem = kit.estimate.spread_tokens(st, key, samples, eff)
     mem = (C.distributed_optimizer_bytes(params, dp, cluster.value_bytes)
