@@ -64,14 +64,16 @@ def balanced_microbatch_tokens(st: Stats, key: str, samples: int) -> float:
 
 def spread_tokens(st: Stats, key: str, samples: int, ranks):
     """Encoder / generator tokens the most loaded of `ranks` ranks (may be an array) holds when the
-    images of one microbatch of `samples` samples are spread over them: a rank's share of the
+    images of one microbatch of `samples` samples are spread over them (over as many ranks as it
+    has images on average, beyond that ranks stay idle): a rank's share of the
     heaviest balanced microbatch (balanced_microbatch_tokens) plus one largest image (Graham's
     list-scheduling bound for placing its images largest first; at one rank the image is the
     margin for balancing by FLOPs, as the runtime and the simulator do, rather than by tokens).
     Not a guarantee: over 528 plans of five workloads (2 to 120 samples, 1 to 32 ranks) the
     simulator held 1.01 to 2.6x fewer tokens (docs/validation-log.md, 6 Dec 07:20)."""
     total = balanced_microbatch_tokens(st, key, samples)
-    return total / np.asarray(ranks, dtype=np.float64) + st.max_tokens[key]
+    spread = np.minimum(np.asarray(ranks, dtype=np.float64), max(samples * st.images[key], 1.0))
+    return total / spread + st.max_tokens[key]
 
 
 def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int | None:
@@ -82,10 +84,11 @@ def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int 
 
 
 # How many of its best candidates by the closed-form estimate a layout search hands the simulator
-# (besides the best of each kind: plain, and interleaved over each pp, pipeline_kind): the estimate prices identical mean
-# microbatches and equal links, and its argmin is not always the simulator's (6 Dec: with the
-# batch rounded so more layouts interleave, DistTrain's estimate picked plans the simulator finds
-# 2-4% slower). Our choice, weighed against each simulation's cost at 1172 GPUs (~1 s).
+# (besides the best of each kind: plain, and interleaved over each pp, pipeline_kind): the estimate
+# prices identical mean microbatches and equal links, and its argmin is not always the simulator's
+# (6 Dec: with the batch rounded so more layouts interleave, DistTrain's estimate picked plans the
+# simulator finds 2-4% slower). Our choice, weighed against each simulation's cost at 1172 GPUs
+# (~1 s).
 SIMULATED_CANDIDATES = 4
 
 

@@ -60,7 +60,7 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc, overlap):
                                bucket_params=O.megatron_bucket_params(int(d)), forward_s=float(fd),
                                backward_s=float(bd))
                      for d, fd, bd in np.broadcast(dp, f, b)]).reshape(dp.shape)
-    tk_mem = kit.estimate.spread_tokens(st, key, samples, eff)
+    tk_mem = kit.estimate.spread_tokens(st, key, samples, dp)
     mem = (C.distributed_optimizer_bytes(params, dp, cluster.value_bytes)
            + inflight * C.activation_bytes(tk_mem, sh, sh.layers, tp, rc))
     return f + b, link, sync, mem <= cluster.memory_bytes
@@ -331,7 +331,7 @@ def _colocated_module(kit, w, st, cluster, key, ranks: int, tp: int, rc: bool, b
         per_sample, tokens = st.flops[key], st.tokens[key]
         # one microbatch's images spread over the module's DP ranks, as the simulator spreads them
         size = backbone_dp * st.mbs
-        mb_tokens = float(kit.estimate.spread_tokens(st, key, size, min(dp, max(size * st.images[key], 1.0))))
+        mb_tokens = float(kit.estimate.spread_tokens(st, key, size, dp))
     f, b = C.module_fb(samples * per_sample, samples * tokens, key, sh, sh.layers, tp, cluster, rc, cp=cp, cp_comm=comm)
     params = C.shard_params(sh, tp)
     sync = C.dp_sync_time(params, dp * cp, ranks > gpn, cluster)
