@@ -205,6 +205,22 @@ def test_interleaved_at_one_chunk_is_1f1b():
         assert [I.peak_activations(s, p, 1, m, [1.0]) for s in range(p)] == [min(p - s, m) for s in range(p)]
 
 
+def test_peak_activations_counts_the_forwards_a_device_holds_in_its_order():
+    """Replay each device's operations (systems.pipeline_order, the runtime's order): a forward of
+    chunk c adds chunk c's bytes, its backward frees them. Equal chunks take peak_activations'
+    short path, unequal ones its general path; both must match the replay."""
+    from systems.pipeline_order import interleaved_ops
+    for p, v, m, extra in ((4, 1, 8, 0), (4, 1, 3, 1), (3, 2, 6, 0), (4, 4, 8, 1), (2, 5, 4, 1), (4, 2, 4, 0)):
+        for chunks in ([1.5] * v, [1.0 + c for c in range(v)]):
+            for s in range(p):
+                held, peak = 0.0, 0.0
+                for kind, c, _ in interleaved_ops(s, p, v, m, extra_warmup=extra):
+                    held += chunks[c] if kind == 0 else -chunks[c]
+                    peak = max(peak, held)
+                assert I.peak_activations(s, p, v, m, chunks, extra_warmup=extra) == pytest.approx(peak), \
+                    (p, v, m, extra, chunks, s)
+
+
 def test_vpp_estimate_close_to_simulation_and_shrinks_bubble():
     w = get_workload("mllm-9b", "uniform")
     st = work_stats(w, 64, 1)

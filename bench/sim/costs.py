@@ -57,7 +57,7 @@ The backbone's last stage holds fp32 logits, 4 x tokens x vocab / TP, for one mi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import wraps
 
 import numpy as np
 
@@ -115,7 +115,25 @@ class ModuleShape:
         return 14 * h + 4 * h * self.groups / self.heads + (6 if self.gated else 4) * ffn
 
 
-@lru_cache(maxsize=64)
+
+def _per_workload(fn):
+    """Memoize fn(w, *args) on the workload object itself, not its hash: hashing a Workload
+    (nested frozen dataclasses) each call took a fifth of a paper-scale layout search
+    (mllm-72b on 1172 GPUs). The entry holds the workload, so its id stays its own."""
+    memo: dict = {}
+
+    @wraps(fn)
+    def get(w: Workload, *args):
+        hit = memo.get((id(w), *args))
+        if hit is None or hit[0] is not w:
+            if len(memo) > 1024:
+                memo.clear()
+            hit = memo[(id(w), *args)] = (w, fn(w, *args))
+        return hit[1]
+    return get
+
+
+@_per_workload
 def module_shapes(w: Workload) -> dict[str, ModuleShape]:
     p = F.parameter_counts(w)
     e, b, g = w.encoder, w.backbone, w.generator
@@ -133,17 +151,17 @@ def module_shapes(w: Workload) -> dict[str, ModuleShape]:
     }
 
 
-@lru_cache(maxsize=256)
+@_per_workload
 def enc_image(w: Workload, res: int) -> tuple[float, int]:
     return float(F.encoder_image_flops(w, res)), w.image_patches(res)
 
 
-@lru_cache(maxsize=256)
+@_per_workload
 def gen_image(w: Workload, res: int) -> tuple[float, int]:
     return float(F.generator_image_flops(w, res)), w.latent_tokens(res) + w.generator.num_cond_tokens
 
 
-@lru_cache(maxsize=64)
+@_per_workload
 def backbone_parts(w: Workload) -> tuple[float, float]:
     """(training FLOPs of one layer for one sample, training FLOPs of the logits for one sample)."""
     b = w.backbone

@@ -180,7 +180,7 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
     sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
     m, mp = st.B // (dp * st.mbs), tp * cp
     fwd, bwd = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm)
-    ok, syncs, bucket = True, {}, overlap_model.megatron_bucket_params(dp * cp)
+    ok = True
     for s in range(pp):
         f, params, n = C.backbone_stage(w, pp, s)
         chunk = C.activation_bytes(st.mbs * seq / cp, sh, n / vpp, tp, recompute)
@@ -188,15 +188,35 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
                + interleaved.peak_activations(s, pp, vpp, m, [chunk] * vpp, extra_warmup=stages_after)
                + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         ok &= bool(mem <= cluster.memory_bytes)
-        at = (params, fwd[s], bwd[s])                 # the middle stages are alike: price each kind once
-        if at not in syncs:
-            syncs[at] = overlap_model.dp_sync(params / tp, dp * cp, mp * dp > gpn, cluster, overlap=overlap,
-                                              bucket_params=bucket, forward_s=fwd[s], backward_s=bwd[s])
+    sync = _stage_sync(w, st.mbs, cluster, tp, pp, dp, recompute, cp, cp_comm, overlap, fwd, bwd)
     links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp * vpp - 1)
-    return BackbonePipeline(fwd + bwd, links, max(syncs.values()), ok, m)
+    return BackbonePipeline(fwd + bwd, links, sync, ok, m)
 
 
 _STAGES: dict = {}
+_SYNCS: dict = {}
+
+
+def _stage_sync(w, mbs: int, cluster, tp: int, pp: int, dp: int, recompute: bool, cp: int, cp_comm: str,
+                overlap: bool, fwd, bwd) -> float:
+    """The slowest stage's DP sync (exposed, with overlap) for the stage times `fwd`, `bwd` of
+    _stage_times with the same arguments: independent of the batch and the interleaving, so a
+    search prices it once per DP degree (memoized as _stage_times is)."""
+    key = (id(w), id(cluster), mbs, tp, pp, dp, recompute, cp, cp_comm, overlap)
+    hit = _SYNCS.get(key)
+    if hit is None or hit[0] is not w or hit[1] is not cluster:
+        if len(_SYNCS) > 65536:
+            _SYNCS.clear()
+        syncs, bucket, mp = {}, overlap_model.megatron_bucket_params(dp * cp), tp * cp
+        for s in range(pp):
+            params = C.backbone_stage(w, pp, s)[1]
+            at = (params, fwd[s], bwd[s])             # the middle stages are alike: price each kind once
+            if at not in syncs:
+                syncs[at] = overlap_model.dp_sync(params / tp, dp * cp, mp * dp > cluster.gpus_per_node, cluster,
+                                                  overlap=overlap, bucket_params=bucket, forward_s=fwd[s],
+                                                  backward_s=bwd[s])
+        hit = _SYNCS[key] = (w, cluster, max(syncs.values()))
+    return hit[2]
 
 
 def _stage_times(w, mbs: int, cluster, tp: int, pp: int, recompute: bool, cp: int,

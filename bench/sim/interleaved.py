@@ -103,9 +103,13 @@ def _run(f, b, link, ops):
 def peak_activations(s: int, p: int, v: int, m: int, chunk_bytes, extra_warmup: int = 0) -> float:
     """The most activation bytes device s holds: forwards whose backward has not run yet,
     chunk c's microbatch weighing chunk_bytes[c]. v = 1 gives min(p - s + extra_warmup, m)
-    microbatches. (device_ops' order, vectorized: searches call this for every candidate layout.)"""
-    w, total = np.asarray(chunk_bytes, dtype=np.float64), m * v
-    warm = warmup_forwards(s, p, v, m, extra_warmup)
+    microbatches. (device_ops' order, vectorized: searches call this for every candidate layout;
+    with equal chunks the peak comes right after the warm-up, at its first steady forward.)"""
+    total, warm = m * v, warmup_forwards(s, p, v, m, extra_warmup)
+    first = chunk_bytes[0]
+    if all(c == first for c in chunk_bytes):        # equal chunks: the warm-up and one more forward
+        return float(max(first * min(warm + 1, total), 0.0))
+    w = np.asarray(chunk_bytes, dtype=np.float64)
     c = (np.arange(total) // p) % v
     grow, free = w[c], -w[v - 1 - c]
     steady = np.stack([grow[warm:], free[:total - warm]], axis=1).ravel()
