@@ -164,3 +164,33 @@ def test_module_chain_estimate_is_exact_for_identical_microbatches_and_a_light_e
         stages = [3e-6] + [1.0] * p + [tg]
         assert I.estimate_module_chain(stages, [0.0] * (V + 1), m, v) == pytest.approx(exact, rel=1e-2)
         assert I.estimate_module_chain(stages, [0.0] * (p + 1), m, 1) == pytest.approx(estimate_1f1b(stages, None, m))
+
+
+def test_module_chain_schedule_runs_the_runtimes_order_and_the_closed_form_bounds_it_at_one_chunk():
+    """schedule_module_chain is interleaved_1f1b(..., ends=True) on identical microbatches (each
+    backbone device's forward and backward split evenly over its chunks). At v = 1 the closed form
+    is all but an upper bound of it (at most 0.6% under on 1800 random chains): equal to it for
+    equal stages, up to 28% over where the generator hides behind the last backbone device's
+    earlier backwards (what DistTrain's search re-scores)."""
+    rng = np.random.default_rng(7)
+    over = []
+    for p, v, m in ((1, 1, 2), (2, 1, 4), (4, 1, 8), (3, 1, 3), (2, 2, 4), (4, 2, 8), (2, 5, 6)):
+        for _ in range(20):
+            f = rng.random(p + 2)
+            b = f * rng.uniform(1.5, 2.5, p + 2)
+            links = list(rng.random(p * v + 1) * 0.05)
+            cols = lambda t: np.tile(np.concatenate([t[:1], np.tile(t[1:-1] / v, v), t[-1:]]), (m, 1))
+            exact = I.interleaved_1f1b(cols(f), cols(b), links, v, ends=True).iteration_time
+            got = I.schedule_module_chain(f, b, links, m, v)
+            assert got == pytest.approx(exact, rel=1e-12)
+            if v == 1:
+                closed = I.estimate_module_chain(f + b, links, m, 1)
+                assert got <= closed * 1.01, (p, m, f, b)
+                over.append(closed / got - 1)
+        if v == 1:
+            equal = np.full(p + 2, 1.0)
+            assert I.schedule_module_chain(equal, 2 * equal, [0.0] * (p + 1), m, 1) == pytest.approx(
+                I.estimate_module_chain(3 * equal, [0.0] * (p + 1), m, 1))
+    assert max(over) > 0.05                      # the bound is not tight: what re-scoring is for
+    with pytest.raises(ValueError, match="links needs 4 entries"):
+        I.schedule_module_chain([1.0] * 3, [2.0] * 3, [0.0] * 3, 4, 3)

@@ -90,6 +90,11 @@ def rounded_batch(B: int, unit: int, tolerance: float = BATCH_TOLERANCE) -> int 
 # simulator finds 2-4% slower). Our choice, weighed against each simulation's cost at 1172 GPUs
 # (~1 s).
 SIMULATED_CANDIDATES = 4
+# DistTrain's search first keeps this many by its closed form, then re-scores them by the
+# runtime's order of operations on mean microbatches (systems.disttrain.search.best_plans) and
+# hands the simulator SIMULATED_CANDIDATES of those. Our choice: on mllm-9b at 576 H100s the
+# simulator's best plan was the closed form's 9th-14th (6 Dec); 16 costs its searches 10-30%.
+ESTIMATED_CANDIDATES = 16
 
 
 class Shortlist:
@@ -161,11 +166,17 @@ def work_stats(w: Workload, B: int, mbs: int, seed: int = 0, num_batches: int = 
 
 @dataclass(frozen=True)
 class BackbonePipeline:
-    stage_s: np.ndarray     # forward + backward of one microbatch per stage
+    stage_f: np.ndarray     # forward of one microbatch per stage
+    stage_b: np.ndarray     # its backward
     links: list             # stage-to-stage transfer per microbatch and direction
     sync_s: float           # the slowest stage's data-parallel sync (exposed, with overlap)
     fits: bool              # every stage within the cluster's memory
     num_microbatches: int
+
+    @property
+    def stage_s(self) -> np.ndarray:
+        """Forward + backward of one microbatch per stage."""
+        return self.stage_f + self.stage_b
 
 
 def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recompute: bool,
@@ -190,7 +201,7 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
         ok &= bool(mem <= cluster.memory_bytes)
     sync = _stage_sync(w, st.mbs, cluster, tp, pp, dp, recompute, cp, cp_comm, overlap, fwd, bwd)
     links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp * vpp - 1)
-    return BackbonePipeline(fwd + bwd, links, sync, ok, m)
+    return BackbonePipeline(fwd, bwd, links, sync, ok, m)
 
 
 _STAGES: dict = {}

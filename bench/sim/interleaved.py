@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.sim.schedule import ScheduleResult, bubble_fraction
+from bench.sim.schedule import ScheduleResult, bubble_fraction, tail_ends
 from systems.pipeline_order import boundary_ops, encoder_actions, generator_actions, warmup_forwards
 from systems.pipeline_order import interleaved_ops as device_ops
 
@@ -141,3 +141,23 @@ def estimate_module_chain(stage_fb, links, m: int, v: int) -> float:
     period = max(t.max(), inner[-1] * (1 - 1 / v) + t[-1])
     return float(t[0] + t[-1] + inner.sum() / v + (m - 1) * period + (1 - 1 / v) * inner.max()
                  + 2.0 * float(np.sum(links)))
+
+
+def schedule_module_chain(stage_f, stage_b, links, m: int, v: int, tails=(0.0, 0.0, 0.0)) -> float:
+    """interleaved_1f1b(..., ends=True) of m identical microbatches, what estimate_module_chain
+    approximates: stage_f / stage_b = [encoder, pp backbone devices (their chunks summed, split
+    evenly over the v chunks), generator] forward / backward seconds, links as
+    estimate_module_chain's; `tails`: what the encoder, the backbone (once all its devices are
+    done) and the generator each do after their own last backward (their exposed DP sync), which
+    does not wait for the other modules (bench.sim.schedule.tail_ends, as DistTrain's simulation).
+    At v = 1 the closed form charges the generator and each stage's drain in full where the
+    runtime's order hides part of them behind the last backbone device's earlier backwards (on
+    1800 random chains: median 6%, up to 28% over this, never more than 0.6% under).
+    O(m (p v + 2)) steps in Python: for a search's shortlist, not for its scans."""
+    f, b = np.asarray(stage_f, dtype=np.float64), np.asarray(stage_b, dtype=np.float64)
+    p = len(f) - 2
+    if len(links) != p * v + 1:
+        raise ValueError(f"links needs {p * v + 1} entries (encoder, {p * v - 1} backbone, generator), got {len(links)}")
+    column = lambda t: np.concatenate([t[:1], np.tile(t[1:-1] / v, v), t[-1:]])   # chunk c of device s: c p + s
+    clock = interleaved_1f1b(np.tile(column(f), (m, 1)), np.tile(column(b), (m, 1)), links, v, ends=True).stage_end
+    return float(tail_ends(clock, [tails[0]] + [tails[1]] * p + [tails[2]], [-1] + [0] * p + [-1]).max())
