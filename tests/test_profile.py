@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from bench.profile.profiler import derive_profile, fit_affine, fit_linear_nonneg, load_profile
-from bench.profile.tp import TP_ROUNDS
 from workloads.presets import MODULES, get_workload
 
 REPO = Path(__file__).resolve().parent.parent
+ROUNDS = 3          # of the TP-2 and co-run measurements (9 and 7 by default): the fixture checks their shape
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,9 @@ def tiny_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("prof") / "cpu-tiny.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--out", str(out),
                            "--microbatches", "3", "--repeats", "1", "--min-seconds", "0.5", "--no-comm",
-                           "--gemm-grid", "32,64,128"],
-                          # ~90 s on an idle 2-core VM (its co-runs alone ~60), 133 s seen beside other work:
+                           "--gemm-grid", "32,64,128", "--rounds", str(ROUNDS)],
+                          # ~90 s on an idle 2-core VM at the default rounds (its co-runs alone ~60), 133 s seen
+                          # beside other work:
                           # the timeout only guards against a hang
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -56,13 +57,13 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     assert g["leave_one_out_error"]["points"] == 3
     tp = p["tp"]["2"]                                        # each module timed at TP 2 in 2 processes
     for n in MODULES:
-        assert tp[n]["seconds"] > 0 and len(tp[n]["rounds"]) == TP_ROUNDS and tp[n]["tp1_seconds"] > 0
+        assert tp[n]["seconds"] > 0 and len(tp[n]["rounds"]) == ROUNDS and tp[n]["tp1_seconds"] > 0
         assert tp[n]["speedup"] == pytest.approx(statistics.median(tp[n]["rounds"]))
         assert 0 < tp[n]["busy"] <= 1 and len(tp[n]["cpu_seconds"]) == 2     # each rank's share on a core
         # two TP-2 groups at once against the first alone
-        assert len(tp[n]["side_by_side_rounds"]) == TP_ROUNDS and tp[n]["side_by_side"] > 0
+        assert len(tp[n]["side_by_side_rounds"]) == ROUNDS and tp[n]["side_by_side"] > 0
         # and with the modules chained, one backward (as Megatron's step runs them)
-        assert len(tp[n]["joint_rounds"]) == TP_ROUNDS and tp[n]["joint_speedup"] > 0
+        assert len(tp[n]["joint_rounds"]) == ROUNDS and tp[n]["joint_speedup"] > 0
     assert p["tp"]["side_by_side_groups"] == 2
     corun = p["corun"]                                       # the modules on every core at once
     assert corun["processes"] == min(os.cpu_count(), 8) and corun["seconds"] > 0 and corun["slowdown"] >= 1.0
@@ -72,6 +73,7 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     sole = corun["sole"]                                     # and with no other copy beside them
     assert sole["processes"] == corun["processes"] and sole["slowdown"] >= 1.0 and "oversubscribed" not in sole
     assert corun["pass_repeats"] > 1        # tiny's microbatches take well under CORUN_PASS_S: repeated
+    assert f"{ROUNDS} rounds" in corun["method"] and f"{ROUNDS} rounds" in p["tp"]["method"]
     assert p["min_seconds"] == 0.5 and p["repeats"] == 1
 
 
@@ -114,6 +116,9 @@ def test_cli_derive_and_bad_input(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--min-seconds", "-1"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--min-seconds" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--rounds", "0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--rounds" in bad.stderr
 
 
 def test_fits():
@@ -365,7 +370,7 @@ def test_a_failing_measurement_process_is_a_runtime_error_naming_it(tmp_path):
     must surface as one, not as an error of the spawn bookkeeping."""
     from bench.profile.comm import run_processes
     from bench.profile.tp import _corun_worker
-    args = (1, "no-such-workload", None, 0, 1, str(tmp_path), 4)    # 1 per core: 2 processes in all
+    args = (1, "no-such-workload", None, 0, 1, str(tmp_path), 4, 1)    # 1 per core: 2 processes in all
     with pytest.raises(RuntimeError, match="side-by-side module timing failed"):
         run_processes(_corun_worker, args, tmp_path / "out.json", "side-by-side module timing", nprocs=2, timeout=120)
 

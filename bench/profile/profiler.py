@@ -89,9 +89,10 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
                      comm: bool = True, gemm_grid=(), tp: bool = True, min_seconds: float = DEFAULT_MIN_SECONDS,
-                     dp_processes: int = 4, log=print) -> dict:
+                     dp_processes: int = 4, rounds: int | None = None, log=print) -> dict:
     """Measure one workload on the hardware present; returns the profile dict (see module doc).
-    gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none."""
+    gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none.
+    rounds: of the TP-2 and co-run measurements (None: bench.profile.tp's TP_ROUNDS, CORUN_ROUNDS)."""
     import torch
     from bench.metrics import PEAK_FLOPS, accelerator_key, measure_cpu_matmul_flops
     from workloads.flops import parameter_counts
@@ -181,7 +182,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
             systems = _measure_systems(w, dp_processes, log=log)
     tp_result = corun = None
     if tp and device == "cpu":
-        kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples)
+        kw = dict(seed=seed, microbatches=microbatches, repeats=repeats, data_root=root, num_samples=num_samples,
+                  **({"rounds": rounds} if rounds else {}))
         tp_result = _measure_tp(w, log=log, **kw)
         corun = _measure_corun(w, log=log, **kw)
     elapsed = time.perf_counter() - started
@@ -335,6 +337,8 @@ def add_parser(sub) -> None:
                         "largest process count; at most 2 skips it; default 4)")
     p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
     p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the TP-2 and side-by-side (co-run) "
+                   "measurements, each ratio the median over them (default 9 and 7: fewer is quicker and noisier)")
     p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "
                    "(default: bench.profile.gemm.CPU_GRID or CUDA_GRID)")
     p.add_argument("--spec", default=None, help="derive a profile for this PEAK_FLOPS key instead of measuring")
@@ -349,8 +353,9 @@ def handle(args, results_path) -> int:
     if args.workload not in PRESETS:
         print(f"error: unknown workload {args.workload!r}; choose one of {sorted(PRESETS)}", file=sys.stderr)
         return 2
-    if args.microbatches < 2 or args.repeats < 1 or args.threads < 1 or not 0 <= args.min_seconds < 3600:
-        print("error: --microbatches must be >= 2, --repeats and --threads >= 1, --min-seconds in [0, 3600)",
+    if (args.microbatches < 2 or args.repeats < 1 or args.threads < 1 or not 0 <= args.min_seconds < 3600
+            or (args.rounds is not None and args.rounds < 1)):
+        print("error: --microbatches must be >= 2, --repeats, --threads and --rounds >= 1, --min-seconds in [0, 3600)",
               file=sys.stderr)
         return 2
     try:
@@ -373,7 +378,8 @@ def handle(args, results_path) -> int:
                                     dtype=args.dtype, threads=args.threads, microbatches=args.microbatches,
                                     repeats=args.repeats, comm=not args.no_comm,
                                     gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp,
-                                    min_seconds=args.min_seconds, dp_processes=args.dp_processes)
+                                    min_seconds=args.min_seconds, dp_processes=args.dp_processes,
+                                    rounds=args.rounds)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -108,9 +108,9 @@ def _barrier(store, processes: int, tag: str) -> None:
 
 
 def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, seed: int, microbatches: int,
-               data_root: str, num_samples: int, out_file: str) -> None:
+               data_root: str, num_samples: int, rounds: int, out_file: str) -> None:
     """Ranks 0 and 1 form one TP-2 group; rank 2 runs the same modules at TP 1, a world of its own;
-    ranks 3 and 4 form a second TP-2 group. They take turns, TP_ROUNDS times: a pass of rank 2
+    ranks 3 and 4 form a second TP-2 group. They take turns, `rounds` times: a pass of rank 2
     over the microbatches while the others wait at a store barrier (using no core), a pass of the
     first pair, then a pass of both pairs side by side, waiting for each other at the end of every
     module's forward and backward. Per pass and module: forward + backward wall seconds (the
@@ -137,7 +137,7 @@ def _tp_worker(rank: int, port: int, workload: str, data_profile: str | None, se
         built, timer = build_modules(w, dev, torch.float32, seed, tp), Timer(dev)
         for mb in batches:                       # warm-up (allocator, lazy inits)
             run_pass(built, mb, timer)
-        for i, phase in enumerate(["tp1", "pair", "side", "tp1 joint", "pair joint"] * TP_ROUNDS):
+        for i, phase in enumerate(["tp1", "pair", "side", "tp1 joint", "pair joint"] * rounds):
             _barrier(store, PROCESSES, f"phase{i}")
             runs = {"tp1": group is None, "pair": group == "a", "side": group is not None}[phase.split()[0]]
             if not runs:
@@ -204,7 +204,7 @@ def tp_speedups(pair: list[list[dict]], alone: list[dict], side: list[list[dict]
 
 
 def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatches: int, data_root: Path,
-               num_samples: int, timeout: float = 600.0, **_) -> dict:
+               num_samples: int, timeout: float = 600.0, rounds: int = TP_ROUNDS, **_) -> dict:
     """{"2": {module: tp_speedups' row}, "processes", "method"}: each module at TP 2 in two gloo
     processes against TP 1 in a third, in alternating passes (_tp_worker). "busy": the share of
     the wall time a TP rank spends on a core; the rest it waits at the collectives for the other
@@ -212,7 +212,7 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
     count = min(microbatches, CORUN_MICROBATCHES)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp.json"
-        run_processes(_tp_worker, (workload, data_profile, seed, count, str(data_root), num_samples), out,
+        run_processes(_tp_worker, (workload, data_profile, seed, count, str(data_root), num_samples, rounds), out,
                       f"TP-{TP} module timing", nprocs=PROCESSES, timeout=timeout)
         raw = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(PROCESSES)]
     pairs = [r for r in range(PROCESSES) if r != TP]
@@ -221,7 +221,7 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
                                  raw[TP]["joint"]), "processes": TP, "side_by_side_groups": 2,
             "method": (f"each module's forward + backward over {count} microbatches at TP {TP} (megatron-core, "
                        f"gloo, {TP} local processes, one thread each) and at TP 1 (a third process), in "
-                       f"{TP_ROUNDS} rounds of alternating passes seconds apart (the machine's speed drifts: "
+                       f"{rounds} rounds of alternating passes seconds apart (the machine's speed drifts: "
                        f"TP-1 and TP-2 timed minutes apart put small-enc-heavy's encoder at 0.60 and 0.96 "
                        f"an hour apart); speedup = the median of each round's TP-1 / TP-2 wall seconds, "
                        f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged; "
@@ -239,10 +239,10 @@ class _ThreadTimer(Timer):
 
 
 def _corun_worker(rank: int, port: int, procs: int, total: int, workload: str, data_profile: str | None,
-                  seed: int, microbatches: int, data_root: str, num_samples: int, out_file: str) -> None:
+                  seed: int, microbatches: int, data_root: str, num_samples: int, rounds: int, out_file: str) -> None:
     """Rank 0 times the modules alone (the others wait at a store barrier, using no core), then
     `procs` copies at once (one per core), then, where `total` is more, all `total` (two per
-    core), CORUN_ROUNDS times over. Each process builds its modules once and every phase is one
+    core), `rounds` times over. Each process builds its modules once and every phase is one
     pass, so a round's phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
     out of the round's ratios. Each pass records its wall seconds and the CPU seconds of its
     thread (corun_slowdowns). Each process is its own world of 1; the store only orders the phases."""
@@ -271,7 +271,7 @@ def _corun_worker(rank: int, port: int, procs: int, total: int, workload: str, d
                 run_pass(built, mb, timer)
             store.set("repeats", str(max(1, math.ceil(CORUN_PASS_S / (time.perf_counter() - started)))))
         repeats = int(store.get("repeats"))
-        for i, phase in enumerate(list(runs) * CORUN_ROUNDS):
+        for i, phase in enumerate(list(runs) * rounds):
             _barrier(store, total, f"phase{i}")
             if rank >= runs[phase]:
                 continue
@@ -317,12 +317,13 @@ def corun_slowdowns(raw: list[dict], procs: int) -> dict:
 
 
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
-                  data_root: Path, num_samples: int, timeout: float = 600.0, **_) -> dict:
+                  data_root: Path, num_samples: int, timeout: float = 600.0, rounds: int = CORUN_ROUNDS,
+                  **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "cpu_slowdown", "oversubscribed":
     {"processes", "seconds", "slowdown", "cpu_slowdown"}, "sole": {"processes", "seconds",
     "alone_seconds", "slowdown", "cpu_slowdown"}, "method"}: wall seconds of one pass of the TP-1
     modules with `processes` (= the cores, at most MAX_CORUN) copies at once, and with twice as
-    many, against one copy alone, in CORUN_ROUNDS rounds (_corun_worker), the copies not in a phase
+    many, against one copy alone, in `rounds` rounds (_corun_worker), the copies not in a phase
     idle beside it; "sole": the same `processes` copies at once with no other copy on the machine
     (a launch of its own); slowdowns: corun_slowdowns."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
@@ -332,7 +333,7 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "corun.json"
             run_processes(_corun_worker, (procs, total, workload, data_profile, seed, micro, str(data_root),
-                                          num_samples), out, "side-by-side module timing", nprocs=total,
+                                          num_samples, rounds), out, "side-by-side module timing", nprocs=total,
                           timeout=timeout)
             return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(total)]
     raw = launch(2 * procs)
@@ -343,7 +344,7 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                        f"TP-1 modules' forwards and backwards (repeated pass_repeats times, to at least "
                        f"{CORUN_PASS_S:g} s alone), built once per process, alone (process 0), as {procs} "
                        f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
-                       f"of a core), one thread each, {CORUN_ROUNDS} rounds of adjacent phases, the copies not in a "
+                       f"of a core), one thread each, {rounds} rounds of adjacent phases, the copies not in a "
                        f"phase idle beside it; sole: the same with only the {procs} copies on the machine (alone and "
                        f"together, a launch of its own); the median over the rounds of each round's slowest copy / "
                        f"alone; below 1 (noise) counts as 1; cpu_slowdown: the same in CPU seconds (thread time), "
