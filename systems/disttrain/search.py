@@ -177,7 +177,7 @@ def best_plans(kit, w, num_gpus: int, cluster, st, recompute=(False, True), over
     best of each kind. The closed form overcharges plain pipelines whose generator hides behind
     the last backbone stage, and every module's sync that hides behind the others' drain, most
     where a replica has few microbatches: on mllm-9b at 576 H100s its 4 best had 4 microbatches
-    per replica, while the simulator found a 2-microbatch plan (its 9th-14th) 3% faster.
+    per replica, while the simulator found a 2-microbatch plan (its 14th) 3% faster.
     Re-scored, that plan ranks first, and the plain plans' scores are within 0.1% of the
     simulator's (interleaved ones within 2-3%, 6 Dec)."""
     short, cache = kit.estimate.Shortlist(), {}
