@@ -1076,3 +1076,30 @@ def test_disttrain_schedule_prices_what_its_closed_form_overcharges(plan):
                    global_batch_size=st.B, micro_batch_size=1)["iteration_time_s"]
     assert disttrain_search.schedule_plan(KIT, w, st, H100, plan) == pytest.approx(sim, rel=0.01)
     assert disttrain_search.estimate_plan(KIT, w, st, H100, plan) > 1.04 * sim
+
+
+def test_memo_by_identity_keys_on_the_object_and_holds_it():
+    """The cost model's memo for workloads and clusters: one computation per object and argument;
+    an equal but distinct object is computed anew, and an entry keeps its object alive (so no
+    later object can take its id while the entry exists)."""
+    import gc
+    import weakref
+    from bench.sim.costs import memo_by_identity
+    calls = []
+
+    @memo_by_identity(objects=1, maxsize=8)
+    def shape(w, x):
+        calls.append(x)
+        return x
+
+    class Obj:
+        pass
+    a = Obj()
+    assert shape(a, 2) == 2 and shape(a, 2) == 2 and calls == [2]
+    assert shape(Obj(), 2) == 2 and calls == [2, 2]             # equal shape, another object: computed
+    held = Obj()
+    shape(held, 3)
+    ref = weakref.ref(held)
+    del held
+    gc.collect()
+    assert ref() is not None                                   # the entry holds it: its id stays its own

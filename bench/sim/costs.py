@@ -115,25 +115,28 @@ class ModuleShape:
         return 14 * h + 4 * h * self.groups / self.heads + (6 if self.gated else 4) * ffn
 
 
+def memo_by_identity(objects: int = 1, maxsize: int = 4096):
+    """Memoize fn(*args) on the identity of its first `objects` arguments (a workload, a cluster:
+    frozen dataclasses whose nested hash, computed on every lru_cache lookup, took a fifth of a
+    paper-scale layout search) and the values of the rest. An entry holds its objects alive, so
+    no other object can take their ids while it exists."""
+    def wrap(fn):
+        memo: dict = {}
 
-def _per_workload(fn):
-    """Memoize fn(w, *args) on the workload object itself, not its hash: hashing a Workload
-    (nested frozen dataclasses) each call took a fifth of a paper-scale layout search
-    (mllm-72b on 1172 GPUs). The entry holds the workload, so its id stays its own."""
-    memo: dict = {}
-
-    @wraps(fn)
-    def get(w: Workload, *args):
-        hit = memo.get((id(w), *args))
-        if hit is None or hit[0] is not w:
-            if len(memo) > 1024:
-                memo.clear()
-            hit = memo[(id(w), *args)] = (w, fn(w, *args))
-        return hit[1]
-    return get
+        @wraps(fn)
+        def get(*args):
+            key = (*map(id, args[:objects]), *args[objects:])
+            hit = memo.get(key)
+            if hit is None:
+                if len(memo) >= maxsize:
+                    memo.clear()
+                hit = memo[key] = (args[:objects], fn(*args))
+            return hit[1]
+        return get
+    return wrap
 
 
-@_per_workload
+@memo_by_identity()
 def module_shapes(w: Workload) -> dict[str, ModuleShape]:
     p = F.parameter_counts(w)
     e, b, g = w.encoder, w.backbone, w.generator
@@ -151,17 +154,17 @@ def module_shapes(w: Workload) -> dict[str, ModuleShape]:
     }
 
 
-@_per_workload
+@memo_by_identity()
 def enc_image(w: Workload, res: int) -> tuple[float, int]:
     return float(F.encoder_image_flops(w, res)), w.image_patches(res)
 
 
-@_per_workload
+@memo_by_identity()
 def gen_image(w: Workload, res: int) -> tuple[float, int]:
     return float(F.generator_image_flops(w, res)), w.latent_tokens(res) + w.generator.num_cond_tokens
 
 
-@_per_workload
+@memo_by_identity()
 def backbone_parts(w: Workload) -> tuple[float, float]:
     """(training FLOPs of one layer for one sample, training FLOPs of the logits for one sample)."""
     b = w.backbone

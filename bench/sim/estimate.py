@@ -93,7 +93,7 @@ SIMULATED_CANDIDATES = 4
 # DistTrain's search first keeps this many by its closed form, then re-scores them by the
 # runtime's order of operations on mean microbatches (systems.disttrain.search.best_plans) and
 # hands the simulator SIMULATED_CANDIDATES of those. Our choice: on mllm-9b at 576 H100s the
-# simulator's best plan was the closed form's 9th-14th (6 Dec); 16 costs its searches 10-30%.
+# simulator's best plan was the closed form's 14th (6 Dec); 16 costs its searches 10-30%.
 ESTIMATED_CANDIDATES = 16
 
 
@@ -190,7 +190,7 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
     first forward and last backward (bench.sim.overlap, megatron DDP's buckets), as simulated."""
     sh, seq, gpn = C.module_shapes(w)["backbone"], w.backbone.seq_length, cluster.gpus_per_node
     m, mp = st.B // (dp * st.mbs), tp * cp
-    fwd, bwd = _stage_times(w, st.mbs, cluster, tp, pp, recompute, cp, cp_comm)
+    fwd, bwd = _stage_times(w, cluster, st.mbs, tp, pp, recompute, cp, cp_comm)
     ok = True
     for s in range(pp):
         f, params, n = C.backbone_stage(w, pp, s)
@@ -199,49 +199,39 @@ def backbone_pipeline(w, st: Stats, cluster, tp: int, pp: int, dp: int, recomput
                + interleaved.peak_activations(s, pp, vpp, m, [chunk] * vpp, extra_warmup=stages_after)
                + (C.logits_bytes(w, st.mbs, mp) if s == pp - 1 else 0.0))
         ok &= bool(mem <= cluster.memory_bytes)
-    sync = _stage_sync(w, st.mbs, cluster, tp, pp, dp, recompute, cp, cp_comm, overlap, fwd, bwd)
+    sync = _stage_sync(w, cluster, st.mbs, tp, pp, dp, recompute, cp, cp_comm, overlap)
     links = [float(C.p2p_time(st.mbs * seq, sh.hidden, mp, cluster, mp * dp >= gpn))] * (pp * vpp - 1)
     return BackbonePipeline(fwd, bwd, links, sync, ok, m)
 
 
-_STAGES: dict = {}
-_SYNCS: dict = {}
+@C.memo_by_identity(objects=2, maxsize=65536)
+def _stage_sync(w, cluster, mbs: int, tp: int, pp: int, dp: int, recompute: bool, cp: int, cp_comm: str,
+                overlap: bool) -> float:
+    """The slowest stage's DP sync (exposed, with overlap): independent of the batch and the
+    interleaving, so a search prices it once per DP degree."""
+    fwd, bwd = _stage_times(w, cluster, mbs, tp, pp, recompute, cp, cp_comm)
+    syncs, bucket, mp = {}, overlap_model.megatron_bucket_params(dp * cp), tp * cp
+    for s in range(pp):
+        params = C.backbone_stage(w, pp, s)[1]
+        at = (params, fwd[s], bwd[s])             # the middle stages are alike: price each kind once
+        if at not in syncs:
+            syncs[at] = overlap_model.dp_sync(params / tp, dp * cp, mp * dp > cluster.gpus_per_node, cluster,
+                                              overlap=overlap, bucket_params=bucket, forward_s=fwd[s],
+                                              backward_s=bwd[s])
+    return max(syncs.values())
 
 
-def _stage_sync(w, mbs: int, cluster, tp: int, pp: int, dp: int, recompute: bool, cp: int, cp_comm: str,
-                overlap: bool, fwd, bwd) -> float:
-    """The slowest stage's DP sync (exposed, with overlap) for the stage times `fwd`, `bwd` of
-    _stage_times with the same arguments: independent of the batch and the interleaving, so a
-    search prices it once per DP degree (memoized as _stage_times is)."""
-    key = (id(w), id(cluster), mbs, tp, pp, dp, recompute, cp, cp_comm, overlap)
-    hit = _SYNCS.get(key)
-    if hit is None or hit[0] is not w or hit[1] is not cluster:
-        if len(_SYNCS) > 65536:
-            _SYNCS.clear()
-        syncs, bucket, mp = {}, overlap_model.megatron_bucket_params(dp * cp), tp * cp
-        for s in range(pp):
-            params = C.backbone_stage(w, pp, s)[1]
-            at = (params, fwd[s], bwd[s])             # the middle stages are alike: price each kind once
-            if at not in syncs:
-                syncs[at] = overlap_model.dp_sync(params / tp, dp * cp, mp * dp > cluster.gpus_per_node, cluster,
-                                                  overlap=overlap, bucket_params=bucket, forward_s=fwd[s],
-                                                  backward_s=bwd[s])
-        hit = _SYNCS[key] = (w, cluster, max(syncs.values()))
-    return hit[2]
-
-
-def _stage_times(w, mbs: int, cluster, tp: int, pp: int, recompute: bool, cp: int,
+def _stage_times(w, cluster, mbs: int, tp: int, pp: int, recompute: bool, cp: int,
                  cp_comm: str) -> tuple[np.ndarray, np.ndarray]:
-    """(Forward, backward) seconds of one microbatch per backbone stage: independent of DP, so a
-    search computes them once per (tp, pp, cp) (memoized on the workload's and cluster's identity)."""
-    key = (id(w), id(cluster), mbs, tp, pp, recompute, cp, cp_comm)
-    hit = _STAGES.get(key)
-    if hit is None or hit[0] is not w or hit[1] is not cluster:
-        if len(_STAGES) > 4096:
-            _STAGES.clear()
-        sh, seq = C.module_shapes(w)["backbone"], w.backbone.seq_length
-        t = np.array([[float(x) for x in C.module_fb(mbs * f, mbs * seq, "backbone", sh, n, tp, cluster, recompute,
-                                                     cp=cp, cp_comm=cp_comm)]
-                      for f, _, n in (C.backbone_stage(w, pp, s) for s in range(pp))])
-        hit = _STAGES[key] = (w, cluster, t)
-    return hit[2][:, 0].copy(), hit[2][:, 1].copy()
+    """(Forward, backward) seconds of one microbatch per backbone stage (fresh arrays): independent
+    of DP, so a search computes them once per (tp, pp, cp)."""
+    t = _stage_fb(w, cluster, mbs, tp, pp, recompute, cp, cp_comm)
+    return t[:, 0].copy(), t[:, 1].copy()
+
+
+@C.memo_by_identity(objects=2)
+def _stage_fb(w, cluster, mbs: int, tp: int, pp: int, recompute: bool, cp: int, cp_comm: str) -> np.ndarray:
+    sh, seq = C.module_shapes(w)["backbone"], w.backbone.seq_length
+    return np.array([[float(x) for x in C.module_fb(mbs * f, mbs * seq, "backbone", sh, n, tp, cluster, recompute,
+                                                    cp=cp, cp_comm=cp_comm)]
+                     for f, _, n in (C.backbone_stage(w, pp, s) for s in range(pp))])
