@@ -49,11 +49,14 @@ def measure_cpu_matmul_flops(size: int = 512, dtype: torch.dtype = torch.float32
     return 2 * size ** 3 * count / elapsed
 
 
-def peak_flops_per_device(device_type: str, dtype: str, device_name: str = "") -> tuple[float, str]:
-    """(peak FLOP/s, source): a datasheet row for known GPUs, a measurement on CPU."""
+def peak_flops_per_device(device_type: str, dtype: str, device_name: str = "",
+                          seconds: float = 0.5) -> tuple[float, str]:
+    """(peak FLOP/s, source): a datasheet row for known GPUs, a measurement of `seconds` on CPU."""
     if device_type == "cpu":
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        return measure_cpu_matmul_flops(dtype=torch_dtype), f"measured: 512x512 {dtype} matmul per process, all ranks at once, max of run start and end"
+        return (measure_cpu_matmul_flops(dtype=torch_dtype, seconds=seconds),
+                f"measured: 512x512 {dtype} matmul per process for {seconds:g} s, all ranks at once, max of run "
+                "start and end")
     key = accelerator_key(device_name)
     if key is None:
         raise ValueError(f"no peak FLOP/s known for device {device_name!r}; add a row to bench.metrics.PEAK_FLOPS")

@@ -7,7 +7,8 @@ from pathlib import Path
 from bench.config import resolve
 from bench.run.runner import run
 
-FAST = {"warmup": 0, "steps": 5, "data.num_samples": 64}
+# peak_flops_s: the CPU peak measurements (run start and end) are ~1 s of a tiny launch at 0.5 s each.
+FAST = {"warmup": 0, "steps": 5, "data.num_samples": 64, "peak_flops_s": 0.1}
 # Interleaved pipelines need pp x vpp dividing the backbone's layers: small-gen-heavy has 4
 # (tiny 2); two steps of it, against conftest's `reference_deep`.
 DEEP = {"workload": "small-gen-heavy", "sets": {"steps": 2, "global_batch_size": 8, "data.num_samples": 16}}

@@ -13,7 +13,7 @@ from workloads.presets import get_workload
 STEPS = 5
 # Short runs on a small dataset; the data root is per module so concurrent test sessions
 # never share a half-written dataset.
-SHORT = {"warmup": 0, "steps": STEPS, "data.num_samples": 64}
+SHORT = {"warmup": 0, "steps": STEPS, "data.num_samples": 64, "peak_flops_s": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,7 @@ def test_repeated_zero3_runs_exit_cleanly(tmp_path, data_root):
     """ZeRO-3 over gloo could abort at exit with an all-gather in flight (systems/deepspeed): an
     intermittent failure, so repeated launches (2 here and test_zero_reproduces_megatron[3]: the
     suite's time budget; it used to be 10)."""
-    sets = {"warmup": 0, "steps": 1, "data.num_samples": 64, "data.root": data_root, "zero_stage": 3,
-            "persistence_threshold": 0}
+    sets = {**SHORT, "steps": 1, "data.root": data_root, "zero_stage": 3, "persistence_threshold": 0}
     statuses = []
     for i in range(2):
         cfg, layout = resolve("deepspeed", "tiny", 2, sets)

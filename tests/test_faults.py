@@ -253,7 +253,7 @@ def test_ctrl_c_records_interrupted_leaves_nothing_and_the_sweep_resumes(tmp_pat
     sweep = tmp_path / "s.toml"
     # ~8 s of set-up before the first step: 2 s after the launch the run is surely not over
     sweep.write_text('[[run]]\nsystem = "megatron"\nworkload = "tiny"\nnproc = 2\n'
-                     'sets = { warmup = 0, steps = 2, "data.num_samples" = 32 }\n')
+                     'sets = { warmup = 0, steps = 2, "data.num_samples" = 32, peak_flops_s = 0.1 }\n')
     results = tmp_path / "results" / "runs.jsonl"
     marker = uuid.uuid4().hex
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", MARKER: marker}

@@ -338,7 +338,8 @@ def test_worker_start_failure_is_reported(tmp_path):
 @pytest.mark.multiprocess
 def test_runner_end_to_end(tmp_path):
     from bench.run.runner import run
-    cfg, layout = resolve("megatron", "tiny", 2, {"data.preprocess": "disaggregated", "warmup": 1, "steps": 3})
+    cfg, layout = resolve("megatron", "tiny", 2, {"data.preprocess": "disaggregated", "warmup": 1, "steps": 3,
+                                                   "peak_flops_s": 0.1})
     record = run(cfg, layout, results=tmp_path / "r.jsonl", wandb_mode="disabled", quiet=True)
     assert record["status"] == "ok", record.get("reason")
     assert "data_wait_fraction" in record["metrics"]

@@ -51,6 +51,18 @@ def test_an_option_added_later_keeps_the_config_key_at_its_default():
     assert config_key(cfg) != config_key(before)
 
 
+def test_the_peak_measurements_length_keeps_the_config_key_at_its_default_and_is_checked():
+    """peak_flops_s came on 6 Dec 2026 (the tests shorten it): repeats recorded before keep their key."""
+    cfg, _ = resolve("megatron", "tiny", 2, {})
+    before = {k: v for k, v in cfg.to_dict().items() if k != "peak_flops_s"}
+    short, _ = resolve("megatron", "tiny", 2, {"peak_flops_s": "0.1"})
+    assert cfg.peak_flops_s == 0.5 and short.peak_flops_s == 0.1
+    assert config_key(cfg) == config_key(before) != config_key(short)
+    for bad in ("0", "-1", "61"):
+        with pytest.raises(ConfigError, match=r"peak_flops_s=.* must be within \(0, 60\] seconds"):
+            resolve("megatron", "tiny", 2, {"peak_flops_s": bad})
+
+
 def test_sweep_repeats_are_interleaved(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text(TWO_ENTRIES)
@@ -81,7 +93,8 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "bench", "run", "--system", "megatron", "--workload", "tiny",
                         "--nproc", "2", "--repeat", "2", "--set", "steps=2", "--set", "warmup=1",
-                        "--results", str(results)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                        "--set", "peak_flops_s=0.1", "--results", str(results)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     recs = read_records(results)
     assert [r["status"] for r in recs] == ["ok"] * 2 and [r["repeat"] for r in recs] == [1, 2]
@@ -90,6 +103,7 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
         m = r["metrics"]
         assert 0.0 <= m["outside_cpu_share"] and m["machine_cpus"] >= 1 and isinstance(m["busy_machine"], bool)
         assert {"imports", "setup", "steps"} <= set(m["launch_phases_s"]) and m["launch_wall_s"] > 0
+        assert m["peak_flops_per_device"] > 0 and "matmul per process for 0.1 s" in m["peak_flops_source"]
         if machine.thread_times() is not None:     # where each rank's step went (Linux schedstat)
             for s in r["steps"]:
                 assert len(s["rank_cpu_s"]) == len(s["rank_runqueue_s"]) == 2

@@ -297,7 +297,8 @@ def test_deepspeed_runs_samples_sequentially():
 
 # ---------------------------------------------------------------- orchestrator vs brute force
 
-@pytest.mark.parametrize("workload,gpus,batch", [("mllm-9b", 16, 64), ("mllm-15b", 24, 32), ("small", 16, 16)])
+# mllm-15b at 16: its best plan has odd parts (encoder DP 3, 3 backbone stages); at 24 the brute force took 25 s
+@pytest.mark.parametrize("workload,gpus,batch", [("mllm-9b", 16, 64), ("mllm-15b", 16, 32), ("small", 16, 16)])
 def test_orchestrator_within_2pct_of_brute_force_estimate(workload, gpus, batch):
     plan = best_plan(workload, gpus, global_batch_size=batch)
     _, brute = brute_force_plan(workload, gpus, global_batch_size=batch)       # seconds per sample

@@ -117,7 +117,7 @@ SWEEP = """[defaults]
 system = "megatron"
 workload = "tiny"
 nproc = 1
-sets = { warmup = 0, steps = 1, "data.num_samples" = 32 }
+sets = { warmup = 0, steps = 1, "data.num_samples" = 32, peak_flops_s = 0.1 }
 
 [[run]]
 tags = { case = "a" }

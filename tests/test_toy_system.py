@@ -30,7 +30,7 @@ def test_toy_system_runs_simulates_validates_and_reports(tmp_path):
     env = {**os.environ, "BENCH_PLUGINS": "tests.toy_system", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     results = tmp_path / "runs.jsonl"
     _cli("bench", "run", "--system", "toy-ddp", "--workload", "tiny", "--nproc", "2", "--set", "steps=2",
-         "--set", "warmup=1", "--results", str(results), env=env)
+         "--set", "warmup=1", "--set", "peak_flops_s=0.1", "--results", str(results), env=env)
     (measured,) = read_records(results)
     assert measured["status"] == "ok" and measured["layout"]["label"] == "dp2", measured["reason"]
     assert len(measured["steps"]) == 2 and all(s["loss"] > 0 for s in measured["steps"])

@@ -88,7 +88,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
     # Every rank measures at once, so on a shared CPU each sees its real share of it.
     dist.barrier()
     peak, peak_source = peak_flops_per_device(device.type, cfg.dtype,
-                                              torch.cuda.get_device_name() if device.type == "cuda" else "")
+                                              torch.cuda.get_device_name() if device.type == "cuda" else "",
+                                              cfg.peak_flops_s)
     mark("peak_flops")
 
     source, plan = _make_source(cfg, workload, dataset, device, rank, layout)
@@ -183,7 +184,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
     # moment of outside load during one measurement cannot inflate MFU.
     dist.barrier()
     if device.type == "cpu":
-        peak = max(peak, peak_flops_per_device(device.type, cfg.dtype)[0])
+        peak = max(peak, peak_flops_per_device(device.type, cfg.dtype, seconds=cfg.peak_flops_s)[0])
     peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(peak_t)
     peak_mean = peak_t.item() / world
