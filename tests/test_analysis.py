@@ -137,6 +137,15 @@ def data(results):
     return load_mod.load(results[0])
 
 
+@pytest.fixture(scope="module")
+def megatron_report(results, tmp_path_factory):
+    """`python -m analysis report --baseline megatron` of the synthetic records, rendered once
+    (every figure: ~9 s) for the tests that read it: (exit status, report.md)."""
+    out = tmp_path_factory.mktemp("report")
+    status = main(["report", "--results", str(results[0]), "--out", str(out), "--baseline", "megatron"])
+    return status, out / "report.md"
+
+
 def test_runs_frame_one_row_per_record(data, results):
     runs = data.runs
     assert len(runs) == len(results[1])
@@ -165,7 +174,7 @@ def test_steps_frame_and_speedup(data, results):
     assert speedups == pytest.approx({s: v / base for s, v in SYSTEM_SPEED.items()})
 
 
-def test_baseline_option_changes_the_speedup_reference(results, tmp_path, capsys):
+def test_baseline_option_changes_the_speedup_reference(results, megatron_report, tmp_path, capsys):
     data = load_mod.load(results[0], baseline="megatron")
     assert data.baseline == "megatron"
     expected = {"megatron": 1.0, "deepspeed": 0.9, "disttrain": 1.45}
@@ -174,13 +183,13 @@ def test_baseline_option_changes_the_speedup_reference(results, tmp_path, capsys
     assert load_mod.load(results[0], baseline="disttrain").baseline == "disttrain"
     with pytest.raises(load_mod.BaselineError, match="nosuch"):
         load_mod.load(results[0], baseline="nosuch")
-    out = tmp_path / "o"
-    assert main(["report", "--results", str(results[0]), "--out", str(out), "--baseline", "megatron"]) == 0
-    text = (out / "report.md").read_text()
+    status, report = megatron_report
+    assert status == 0
+    text = report.read_text()
     assert "speedup vs megatron" in text and "speedup vs deepspeed" not in text
     assert "### Speedup over megatron" in text and "(speedup.png)" in text
     capsys.readouterr()
-    assert main(["report", "--results", str(results[0]), "--out", str(out), "--baseline", "nosuch"]) == 1
+    assert main(["report", "--results", str(results[0]), "--out", str(tmp_path / "o"), "--baseline", "nosuch"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nosuch" in err and "megatron" in err
 
@@ -235,9 +244,10 @@ def test_timeline_falls_back_to_busy_idle_bars(tmp_path):
     plt.close(fig)
 
 
-def test_report_written_and_references_existing_pngs(results, tmp_path):
-    out = tmp_path / "report"
-    path = write_report(results[0], out, baseline="megatron")
+def test_report_written_and_references_existing_pngs(megatron_report):
+    status, path = megatron_report
+    out = path.parent
+    assert status == 0
     text = path.read_text()
     pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
     assert len(pngs) == len(FIGURES)  # every figure has data in the synthetic set
@@ -248,9 +258,9 @@ def test_report_written_and_references_existing_pngs(results, tmp_path):
     assert "out of memory \\| at step 3" in text  # a pipe in a reason does not break the table
 
 
-def test_cli_report(results, tmp_path, capsys):
-    assert main(["report", "--results", str(results[0]), "--out", str(tmp_path / "o")]) == 0
-    assert (tmp_path / "o" / "report.md").is_file()
+def test_cli_report(megatron_report, tmp_path):
+    status, report = megatron_report
+    assert status == 0 and report.is_file()
     assert main(["report", "--results", str(tmp_path / "empty")]) == 1
 
 

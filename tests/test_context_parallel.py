@@ -21,6 +21,7 @@ from bench.sim.simulate import resolve_layout, simulate, simulate_record
 from systems.base import ConfigError, get_system
 from systems.disttrain import search as S
 from systems.disttrain.plan import module_layouts, parse_plan, plan_text
+from systems.disttrain.search_colocated import best_colocated_plan
 from systems.megatron import sim as M
 from workloads.dataset import plan_sample
 from workloads.presets import get_workload
@@ -211,7 +212,7 @@ def test_three_configurations_at_64k_and_the_orchestrators_cp():
     homogeneous = simulate_record("long-64k", "megatron", gpus, options={"tp": 2, "cp": 4, "sp": True, "recompute": True,
                                                                          "overlap": True, "cp_comm": "ring"})
     disaggregated = S.best_plan(KIT, w, gpus, H100, st)
-    colocated = S.best_colocated_plan(KIT, w, gpus, H100, st)
+    colocated = best_colocated_plan(KIT, w, gpus, H100, st)
     for plan in (disaggregated, colocated):
         assert plan["backbone"]["cp"] > 1 and "cp" not in plan["encoder"] and "cp" not in plan["generator"]
         K = plan["backbone"]

@@ -192,3 +192,20 @@ def _check_interleaving(plan: Plan, layers: int, microbatches: int, vpp: int) ->
     if microbatches % pp:
         raise ConfigError(f"vpp={vpp}: interleaved 1F1B needs the microbatches per backbone replica ({microbatches}) "
                           f"a multiple of pp={pp}; change the global batch size")
+
+
+def options_of(plan: dict) -> dict:
+    """The adapter's options (--set plan=... placement=... recompute=...) of a structured plan."""
+    return {"plan": plan_text(plan), "placement": plan.get("placement", "disaggregated"),
+            "recompute": bool(plan.get("recompute", False)), "overlap": bool(plan.get("overlap", False)),
+            "cp_comm": plan.get("cp_comm", "a2a"), "vpp": int(plan.get("vpp", 1))}
+
+
+def runs_here(w, plan: dict, nproc: int, st) -> bool:
+    """Whether this runtime can run the plan on `nproc` processes (systems.disttrain.plan)."""
+    try:
+        validate_plan(parse_plan(plan_text(plan), nproc, plan.get("placement") == "colocated"), w, st.B, st.mbs,
+                      cp_comm=plan.get("cp_comm", "a2a"))
+    except ConfigError:
+        return False
+    return True

@@ -12,7 +12,7 @@ done (the runtime's modules do, systems/disttrain/runtime.py), the backbone's st
 (its optimizer's gradient-norm all-reduce spans them): a tail of the module's pipeline stage,
 which on shared cores competes for them with the modules still in their backwards.
 The colocated placement is priced by systems.disttrain.sim_colocated, the layout search is
-systems.disttrain.search.
+systems.disttrain.search (colocated plans: systems.disttrain.search_colocated).
 """
 from __future__ import annotations
 
