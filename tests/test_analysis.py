@@ -139,10 +139,14 @@ def data(results):
 
 @pytest.fixture(scope="module")
 def megatron_report(results, tmp_path_factory):
-    """`python -m analysis report --baseline megatron` of the synthetic records, rendered once
-    (every figure: ~9 s) for the tests that read it: (exit status, report.md)."""
-    out = tmp_path_factory.mktemp("report")
-    status = main(["report", "--results", str(results[0]), "--out", str(out), "--baseline", "megatron"])
+    """`python -m analysis report --baseline megatron` of the synthetic records, the second file
+    ending in a torn line (a write cut short), rendered once (every figure: ~9 s) for the tests
+    that read it: (exit status, report.md)."""
+    d, out = tmp_path_factory.mktemp("torn"), tmp_path_factory.mktemp("report")
+    write_results(d, results[1])
+    with (d / "b.jsonl").open("a") as f:
+        f.write(json.dumps(_record(999, "megatron", "tiny", 2))[:80])
+    status = main(["report", "--results", str(d), "--out", str(out), "--baseline", "megatron"])
     return status, out / "report.md"
 
 
@@ -273,16 +277,12 @@ def test_bad_json_line_skipped_and_named(tmp_path):
     assert bad.where.endswith("x.jsonl:4") and not bad.torn
 
 
-def test_report_from_a_file_with_a_torn_last_line_names_it(tmp_path):
-    recs = synthetic_records()
-    text = "".join(json.dumps(r) + "\n" for r in recs)
-    (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "runs.jsonl").write_text(text + json.dumps(_record(999, "megatron", "tiny", 2))[:80])
-    assert main(["report", "--results", str(tmp_path / "r"), "--out", str(tmp_path / "out")]) == 0
-    report = (tmp_path / "out" / "report.md").read_text()
-    assert f"from {len(recs)} records" in report
+def test_report_from_a_file_with_a_torn_last_line_names_it(results, megatron_report):
+    status, path = megatron_report
+    recs, report = results[1], path.read_text()
+    assert status == 0 and f"from {len(recs)} records" in report
     assert "1 line(s) of the results could not be read and were skipped" in report
-    assert f"runs.jsonl:{len(recs) + 1}: torn last line" in report
+    assert f"b.jsonl:{len(recs) - len(recs) // 2 + 1}: torn last line" in report
     assert "## Figures" in report and "*Skipped:" not in report.split("## Figures")[1].split("### Ablation")[0]
 
 
