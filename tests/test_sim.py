@@ -307,11 +307,12 @@ def test_orchestrator_within_2pct_of_brute_force_estimate(workload, gpus, batch)
 
 
 def test_orchestrator_within_2pct_of_brute_force_simulation():
+    # 7 GPUs: the search's pick is not the simulator's best (0.05% slower), as at 8 (twice the time)
     kw = dict(global_batch_size=16, recompute=(False,))
-    plan = best_plan("mllm-9b", 8, **kw)
-    _, brute = brute_force_plan("mllm-9b", 8, objective="simulate", num_batches=1, **kw)
+    plan = best_plan("mllm-9b", 7, **kw)
+    _, brute = brute_force_plan("mllm-9b", 7, objective="simulate", num_batches=1, **kw)
     batch = plan["global_batch_size"]
-    got = simulate("mllm-9b", "disttrain", disttrain_search.options_of(plan), 8, num_batches=1, global_batch_size=batch)
+    got = simulate("mllm-9b", "disttrain", disttrain_search.options_of(plan), 7, num_batches=1, global_batch_size=batch)
     assert got["feasible"] and got["iteration_time_s"] / batch <= 1.02 * brute
 
 
