@@ -263,6 +263,20 @@ def test_simulated_record_is_valid_and_consistent():
                                                   32, 1).label     # one label, measured and simulated
 
 
+def test_disttrain_records_carry_the_schedule_their_search_ranked_by():
+    """A disaggregated pick's record keeps both prices of its search: the closed form (estimate_s)
+    and the schedule on mean microbatches it was re-scored by (schedule_s); a colocated pick,
+    ranked by its closed form alone, has no schedule_s."""
+    r = simulate_record("mllm-9b", "disttrain", 16, options="auto", num_batches=1, global_batch_size=32,
+                        fixed={"placement": "disaggregated"})
+    m = r["metrics"]
+    assert r["status"] == "ok" and 0 < m["schedule_s"] <= m["estimate_s"]
+    assert m["schedule_s"] == pytest.approx(m["iteration_time_s"], rel=0.01)       # plain 1F1B: measured 0.02%
+    colocated = simulate_record("mllm-9b", "disttrain", 16, options="auto", num_batches=1, global_batch_size=32,
+                                fixed={"placement": "colocated"})
+    assert colocated["status"] == "ok" and "schedule_s" not in colocated["metrics"]
+
+
 def test_estimate_is_exact_for_identical_microbatches():
     w = get_workload("mllm-9b", "uniform")
     st = work_stats(w, 64, 1)

@@ -126,7 +126,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     w = get_workload(workload_name, profile)
     cl = with_preprocess(get_cluster(cluster, w), w.name)
     B, mbs = global_batch_size or w.global_batch_size, micro_batch_size or w.micro_batch_size
-    chosen, estimate = "given", None
+    chosen, estimate, schedule = "given", None, None
     reason = f"no {system} layout fits {num_gpus} GPUs in memory"
     if options is None or options == "auto":
         try:
@@ -135,6 +135,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
             found, reason = None, f"layout search failed: {e}"
         chosen = "auto"
         options, estimate = (found["options"], found["estimate_s"]) if found else (None, None)
+        schedule = found.get("schedule_s") if found else None    # a search that re-scored by schedule
         # A search may round the batch to fit its data parallelism (kit.estimate.rounded_batch).
         B = found.get("global_batch_size", B) if found else B
     reorder = get_system(system).reorders_data if reorder is None else reorder
@@ -169,5 +170,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     assumptions["context_parallel"] = context.assumption(r["layout"].get("cp", 1), r["layout"].get("cp_comm"))
     assumptions["context_parallel_model"] = context.__doc__.strip()
     metrics.update(gpus_used=r["gpus_used"], estimate_s=estimate, feasible=r["feasible"])
+    if schedule is not None:
+        metrics["schedule_s"] = schedule
     return build_record(**common, status="ok" if r["feasible"] else "skipped", reason=r["reason"],
                         layout={**r["layout"], "gpus_used": r["gpus_used"]}, metrics=metrics, assumptions=assumptions)

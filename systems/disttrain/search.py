@@ -386,6 +386,7 @@ def search(w, num_devices, cluster, kit, *, seed, global_batch_size, micro_batch
         return None
     plan = min(found, key=lambda p: (per_sample(p, "simulated_s"), plan_text(p)))
     return {"options": options_of(plan), "estimate_s": plan.get("estimate_s", plan["simulated_s"]),
+            **({"schedule_s": plan["schedule_s"]} if "schedule_s" in plan else {}),
             "simulated_s": plan["simulated_s"], "global_batch_size": plan["global_batch_size"], "search": how,
             "candidates_s": {"disaggregated": disaggregated and disaggregated.get("simulated_s"),
                              "colocated": colocated and colocated["simulated_s"]}}
