@@ -152,7 +152,7 @@ class DeepSpeedSystem(SystemAdapter):
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         model = MLLMStage(ctx.workload, tp_size=1, pp_size=1, pp_rank=0, pg=pg, dtype=ctx.dtype,
-                          seed=ctx.seed, attention=ctx.layout.details.get("attention", "local")).to(ctx.device)
+                          seed=ctx.seed, attention=ctx.layout.details["attention"]).to(ctx.device)
 
         optim = ctx.optim
         # Megatron's "adam" without TransformerEngine/apex is torch.optim.AdamW (decoupled weight

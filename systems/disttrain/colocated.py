@@ -63,7 +63,7 @@ class ColocatedRuntime:
         for name in MODULES:
             mp = plan.modules[name]
             module, config = build_module(name, ctx.workload, mp.tp, mp.pp, self.pg[name], ctx.dtype, ctx.seed,
-                                          ctx.device, ctx.layout.details.get("attention", "local"))
+                                          ctx.device, ctx.layout.details["attention"])
             self.modules[name] = module
             self.models[name] = mcore.wrap_ddp(module, config, self.pg[name])
             self.optimizers[name] = mcore.build_optimizer([self.models[name]], ctx.optim, ctx.dtype,

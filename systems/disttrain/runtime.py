@@ -42,7 +42,7 @@ class PipelineRuntime:
         tensor_parallel.model_parallel_cuda_manual_seed(ctx.seed, tp_rank=self.tp_rank, ep_rank=0, etp_rank=0)
         # A backbone rank holds vpp chunks (virtual stages c x pp + pp_rank), every other rank one.
         built = [build_module(self.name, ctx.workload, self.mp.tp, self.mp.pp, pg, ctx.dtype, ctx.seed, ctx.device,
-                              ctx.layout.details.get("attention", "local"), vpp, c)
+                              ctx.layout.details["attention"], vpp, c)
                  for c in range(vpp if self.name == "backbone" else 1)]
         self.chunks, self.config = [m for m, _ in built], built[0][1]
         self.module = self.chunks[0]
