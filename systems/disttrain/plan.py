@@ -202,7 +202,7 @@ def options_of(plan: dict) -> dict:
 
 
 def runs_here(w, plan: dict, nproc: int, st) -> bool:
-    """Whether this runtime can run the plan on `nproc` processes (systems.disttrain.plan)."""
+    """Whether this runtime can run the structured plan on `nproc` processes (validate_plan)."""
     try:
         validate_plan(parse_plan(plan_text(plan), nproc, plan.get("placement") == "colocated"), w, st.B, st.mbs,
                       cp_comm=plan.get("cp_comm", "a2a"))
