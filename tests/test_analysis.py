@@ -178,6 +178,7 @@ def test_steps_frame_and_speedup(data, results):
     assert speedups == pytest.approx({s: v / base for s, v in SYSTEM_SPEED.items()})
 
 
+@pytest.mark.slow
 def test_baseline_option_changes_the_speedup_reference(results, megatron_report, tmp_path, capsys):
     data = load_mod.load(results[0], baseline="megatron")
     assert data.baseline == "megatron"
@@ -248,6 +249,7 @@ def test_timeline_falls_back_to_busy_idle_bars(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_report_written_and_references_existing_pngs(megatron_report):
     status, path = megatron_report
     out = path.parent
@@ -262,6 +264,7 @@ def test_report_written_and_references_existing_pngs(megatron_report):
     assert "out of memory \\| at step 3" in text  # a pipe in a reason does not break the table
 
 
+@pytest.mark.slow
 def test_cli_report(megatron_report, tmp_path):
     status, report = megatron_report
     assert status == 0 and report.is_file()
@@ -277,6 +280,7 @@ def test_bad_json_line_skipped_and_named(tmp_path):
     assert bad.where.endswith("x.jsonl:4") and not bad.torn
 
 
+@pytest.mark.slow
 def test_report_from_a_file_with_a_torn_last_line_names_it(results, megatron_report):
     status, path = megatron_report
     recs, report = results[1], path.read_text()
@@ -347,6 +351,7 @@ def toy_records() -> list[dict]:
     return recs
 
 
+@pytest.mark.slow
 def test_unregistered_system_is_ordered_colored_and_reported(tmp_path):
     assert TOY not in system_names()
     d = tmp_path / "results"
@@ -368,6 +373,7 @@ def test_unregistered_system_is_ordered_colored_and_reported(tmp_path):
     assert "- disttrain vs megatron:" in text and "- megatron vs" not in text
 
 
+@pytest.mark.slow
 def test_no_baseline_skips_speedups_with_a_note(tmp_path, capsys):
     d = tmp_path / "results"
     write_results(d, [r for r in toy_records() if r["system"] not in baseline_names()])
@@ -382,6 +388,7 @@ def test_no_baseline_skips_speedups_with_a_note(tmp_path, capsys):
     assert f"speedup vs {TOY}" in (tmp_path / "o" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_map_share_and_paper_table_from_simulated_records(tmp_path):
     from analysis.fig_map import speedup_map
     from analysis.paper import paper_rows

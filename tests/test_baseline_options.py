@@ -271,6 +271,7 @@ def test_vpp_needs_microbatches_divisible_by_pp():
         resolve("megatron", "small-gen-heavy", 2, {"pp": 2, "vpp": 2, "global_batch_size": 6})
 
 
+@pytest.mark.slow
 def test_best_megatron_search_turns_everything_on():
     best = get_system("megatron").search_layout(get_workload("mllm-72b"), 512, H100, KIT, seed=0,
                                                 global_batch_size=1024, micro_batch_size=1, exact=False)

@@ -206,6 +206,7 @@ def test_megatron_search_picks_cp_when_memory_demands_it():
     assert r["metrics"]["tflops_per_gpu"] > 0 and r["metrics"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_three_configurations_at_64k_and_the_orchestrators_cp():
     w, gpus = LONG, 64
     st = work_stats(w, w.global_batch_size, 1)

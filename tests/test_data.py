@@ -190,6 +190,7 @@ def test_ensure_dataset_regenerates_incomplete_and_reuses_complete(tmp_path):
     assert validate_dataset(path, checksums=True)["num_samples"] == 8
 
 
+@pytest.mark.slow
 def test_pixel_shuffle_groups_neighbouring_patches():
     import torch
     from workloads.model import pixel_shuffle

@@ -141,6 +141,7 @@ def test_cpu_gemm_table_times_several_operand_sets():
     assert len(time_gemms([(32, 32, 32)], repeats=2, allocations=5)) == 1      # more sets than rounds: one round each
 
 
+@pytest.mark.slow
 def test_gemm_table_predicts_a_held_back_shape_within_10_percent():
     """Time a 3^3 grid and two interior shapes that are not on it side by side (one round-robin,
     so machine load hits all alike); the interpolation of the grid predicts each within 10%. Each

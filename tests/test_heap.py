@@ -35,6 +35,7 @@ def _faults(policy: str) -> list[int]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_a_kept_heap_stops_faulting_and_a_released_one_faults_every_time():
     released, kept = _faults("release"), _faults("keep")

@@ -10,6 +10,7 @@ from workloads.presets import get_workload
 GPUS = 1172
 
 
+@pytest.mark.slow
 @pytest.mark.benchmark(group="orchestrator")      # -m "not benchmark" leaves it out
 def test_best_plan_mllm72b_1172_gpus(benchmark):
     w = get_workload("mllm-72b")

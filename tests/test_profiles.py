@@ -33,7 +33,7 @@ def mean_image_tokens(w, profile) -> float:
     return sum(wt * w.image_tokens(w.encoder.resolutions[v]) for v, wt in zip(c.values, c.weights)) / sum(c.weights)
 
 
-@pytest.mark.parametrize("workload", ["mllm-9b", "small", "tiny"])
+@pytest.mark.parametrize("workload", [pytest.param("mllm-9b", marks=pytest.mark.slow), "small", "tiny"])
 @pytest.mark.parametrize("profile", ["packed", "interleaved"])
 def test_samples_fill_seq_length_exactly(workload, profile):
     w, metas = draws(workload, profile)

@@ -142,7 +142,7 @@ def _brute_order(p):
     return min(pipeline_makespan(o, p) for o in itertools.permutations(range(len(p))))
 
 
-@pytest.mark.parametrize("n", [2, 4, 5, 7])
+@pytest.mark.parametrize("n", [2, 4, 5, pytest.param(7, marks=pytest.mark.slow)])
 def test_inter_two_stages_is_johnson_optimal(n):
     rng = np.random.default_rng(n)
     for _ in range(10):
@@ -154,7 +154,7 @@ def test_inter_two_stages_is_johnson_optimal(n):
         assert pipeline_makespan(johnson_order(p[:, 0], p[:, 1]), p) == pytest.approx(opt)
 
 
-@pytest.mark.parametrize("n", [4, 6, 7])
+@pytest.mark.parametrize("n", [4, 6, pytest.param(7, marks=pytest.mark.slow)])
 def test_inter_three_stages(n):
     rng = np.random.default_rng(100 + n)
     ratios = []

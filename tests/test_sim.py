@@ -312,7 +312,9 @@ def test_deepspeed_runs_samples_sequentially():
 # ---------------------------------------------------------------- orchestrator vs brute force
 
 # mllm-15b at 16: its best plan has odd parts (encoder DP 3, 3 backbone stages); at 24 the brute force took 25 s
-@pytest.mark.parametrize("workload,gpus,batch", [("mllm-9b", 16, 64), ("mllm-15b", 16, 32), ("small", 16, 16)])
+@pytest.mark.parametrize("workload,gpus,batch", [pytest.param("mllm-9b", 16, 64, marks=pytest.mark.slow),
+                                                  pytest.param("mllm-15b", 16, 32, marks=pytest.mark.slow),
+                                                  ("small", 16, 16)])
 def test_orchestrator_within_2pct_of_brute_force_estimate(workload, gpus, batch):
     plan = best_plan(workload, gpus, global_batch_size=batch)
     _, brute = brute_force_plan(workload, gpus, global_batch_size=batch)       # seconds per sample
@@ -320,6 +322,7 @@ def test_orchestrator_within_2pct_of_brute_force_estimate(workload, gpus, batch)
     assert plan["estimate_s"] / plan["global_batch_size"] <= 1.02 * brute
 
 
+@pytest.mark.slow
 def test_orchestrator_within_2pct_of_brute_force_simulation():
     # 7 GPUs: the search's pick is not the simulator's best (0.05% slower), as at 8 (twice the time)
     kw = dict(global_batch_size=16, recompute=(False,))
@@ -965,6 +968,7 @@ def test_batch_dps_exact_only_divisors():
     assert (3, 18) not in batch_dps(st, 16, exact=False) and (8, 16) in batch_dps(st, 16, exact=False)
 
 
+@pytest.mark.slow
 def test_backbone_is_not_forced_to_a_power_of_two():
     # 72B on 512 GPUs, batch 1024: with DP dividing the batch the backbone could take at most 320
     # GPUs (tp4-pp10-dp8), leaving 190 to modules doing 0.1% of the work.
@@ -974,6 +978,7 @@ def test_backbone_is_not_forced_to_a_power_of_two():
     assert abs(plan["global_batch_size"] - 1024) <= 0.05 * 1024
 
 
+@pytest.mark.slow
 def test_megatron_uses_the_spare_gpus_and_few_interleaving_chunks():
     w = get_workload("mllm-72b")
     best = best_megatron_layout(w, 1172, global_batch_size=1024)
@@ -1052,6 +1057,7 @@ def test_shortlist_keeps_the_k_best_and_the_best_of_each_kind():
     assert short.bound() == 4.0 and (5.0, "c") not in short.items()
 
 
+@pytest.mark.slow
 def test_disttrain_search_keeps_the_faster_of_its_plain_and_interleaved_plans():
     """The closed form cannot see interleaving's bursts of chunk-0 forwards asked of the encoder,
     so the search hands its few best plans, its best plain one and its best interleaved one of each
