@@ -7,13 +7,13 @@ import pytest
 from bench.config import resolve
 from bench.run.runner import run
 from systems.base import ConfigError
-from tests.helpers import assert_step_phases
+from tests.helpers import FAST, assert_step_phases
 from workloads.presets import get_workload
 
 STEPS = 5
 # Short runs on a small dataset; the data root is per module so concurrent test sessions
 # never share a half-written dataset.
-SHORT = {"warmup": 0, "steps": STEPS, "data.num_samples": 64, "peak_flops_s": 0.1}
+SHORT = {**FAST, "steps": STEPS}
 
 
 @pytest.fixture(scope="module")

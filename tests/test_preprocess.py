@@ -17,6 +17,7 @@ from bench.config import resolve
 from bench.data.source import ColocatedSource, DataPlan
 from bench.preprocess.service import (DisaggregatedSource, PreprocessService, ProtocolError, decode_microbatch,
                               encode_microbatch, encode_request, preprocess_service, run_identity)
+from tests.helpers import FAST
 from workloads.dataset import ensure_dataset
 from workloads.loader import DatasetReader
 from workloads.presets import get_workload
@@ -338,8 +339,7 @@ def test_worker_start_failure_is_reported(tmp_path):
 @pytest.mark.multiprocess
 def test_runner_end_to_end(tmp_path):
     from bench.run.runner import run
-    cfg, layout = resolve("megatron", "tiny", 2, {"data.preprocess": "disaggregated", "warmup": 1, "steps": 3,
-                                                   "peak_flops_s": 0.1})
+    cfg, layout = resolve("megatron", "tiny", 2, {**FAST, "data.preprocess": "disaggregated", "warmup": 1, "steps": 3})
     record = run(cfg, layout, results=tmp_path / "r.jsonl", wandb_mode="disabled", quiet=True)
     assert record["status"] == "ok", record.get("reason")
     assert "data_wait_fraction" in record["metrics"]
