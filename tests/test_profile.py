@@ -72,7 +72,8 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     sole = corun["sole"]                                     # and with no other copy beside them
     assert sole["processes"] == corun["processes"] and sole["slowdown"] >= 1.0 and "oversubscribed" not in sole
     assert corun["pass_repeats"] > 1        # tiny's microbatches take well under CORUN_PASS_S: repeated
-    assert f"{ROUNDS} rounds" in corun["method"] and f"{ROUNDS} rounds" in p["tp"]["method"]
+    rounds = f"{ROUNDS} round{'' if ROUNDS == 1 else 's'} "         # "1 round of", "3 rounds of"
+    assert rounds in corun["method"] and rounds in p["tp"]["method"]
     assert p["min_seconds"] == 0.5 and p["repeats"] == 1
 
 

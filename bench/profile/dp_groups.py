@@ -93,6 +93,6 @@ def measure_dp_groups(world: int = 4, *, sizes=DP_SIZES, rounds: int = DP_ROUNDS
     out = {key: {kind: fit_collective(pts) for kind, pts in rows.items()} for key, rows in raw.items()}
     out["method"] = (f"{world} local gloo processes in DP groups of each size, every group at once: "
                      f"reduce_scatter_tensor / all_gather_into_tensor / all_reduce of the whole fp32 buffer, each call "
-                     f"once per round, {rounds} rounds (after a warm-up one), median seconds per call over the "
-                     f"rounds, fitted as latency + bytes x s_per_byte")
+                     f"once per round, {rounds} {'round' if rounds == 1 else 'rounds'} (after a warm-up one), "
+                     f"median seconds per call over the rounds, fitted as latency + bytes x s_per_byte")
     return out

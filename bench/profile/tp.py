@@ -221,15 +221,15 @@ def measure_tp(workload: str, data_profile: str | None, *, seed: int, microbatch
                                  raw[TP]["joint"]), "processes": TP, "side_by_side_groups": 2,
             "method": (f"each module's forward + backward over {count} microbatches at TP {TP} (megatron-core, "
                        f"gloo, {TP} local processes, one thread each) and at TP 1 (a third process), in "
-                       f"{rounds} rounds of alternating passes seconds apart (the machine's speed drifts: "
-                       f"TP-1 and TP-2 timed minutes apart put small-enc-heavy's encoder at 0.60 and 0.96 "
-                       f"an hour apart); speedup = the median of each round's TP-1 / TP-2 wall seconds, "
+                       f"{rounds} {'round' if rounds == 1 else 'rounds'} of alternating passes seconds apart (the "
+                       f"machine's speed drifts: TP-1 and TP-2 timed minutes apart put small-enc-heavy's encoder at "
+                       f"0.60 and 0.96 an hour apart); speedup = the median of each round's TP-1 / TP-2 wall seconds, "
                        f"collectives included; busy = process CPU seconds / wall seconds per TP rank, averaged; "
                        f"side_by_side = the median of each round's slowest rank with two TP-{TP} groups running at "
                        f"once ({2 * TP} processes, waiting for each other at the end of every module's forward "
-                       f"and backward, as colocated ranks do) / the first group's seconds alone that round; joint_speedup "
-                       f"= speedup with the modules chained and one backward (run_joint_pass), in two more phases "
-                       f"of each round")}
+                       f"and backward, as colocated ranks do) / the first group's seconds alone that round; "
+                       f"joint_speedup = speedup with the modules chained and one backward (run_joint_pass), in "
+                       f"two more phases of each round")}
 
 
 class _ThreadTimer(Timer):
@@ -344,8 +344,8 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                        f"TP-1 modules' forwards and backwards (repeated pass_repeats times, to at least "
                        f"{CORUN_PASS_S:g} s alone), built once per process, alone (process 0), as {procs} "
                        f"copies at once (one per core) and as {2 * procs} (two per core, divided by 2: the fair share "
-                       f"of a core), one thread each, {rounds} rounds of adjacent phases, the copies not in a "
-                       f"phase idle beside it; sole: the same with only the {procs} copies on the machine (alone and "
-                       f"together, a launch of its own); the median over the rounds of each round's slowest copy / "
-                       f"alone; below 1 (noise) counts as 1; cpu_slowdown: the same in CPU seconds (thread time), "
-                       f"undivided")}
+                       f"of a core), one thread each, {rounds} {'round' if rounds == 1 else 'rounds'} of adjacent "
+                       f"phases, the copies not in a phase idle beside it; sole: the same with only the {procs} "
+                       f"copies on the machine (alone and together, a launch of its own); the median over the "
+                       f"rounds of each round's slowest copy / alone; below 1 (noise) counts as 1; cpu_slowdown: "
+                       f"the same in CPU seconds (thread time), undivided")}
