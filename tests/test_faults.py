@@ -8,6 +8,7 @@ carry a marker in their environment, so the process table can be searched for th
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -119,6 +120,24 @@ def test_a_hang_names_the_rank_that_never_reported_or_stopped(tmp_path):
     failure = launch._stalled(progress.read_beats(tmp_path), 21.0)
     assert failure.reason.startswith("rank 0 stopped (process state 'stopped', e.g. SIGSTOP) at step 3")
     assert failure.details["kind"] == "stopped"
+
+
+def test_the_supervisor_watches_and_kills_only_its_own_hosts_ranks(tmp_path):
+    """On several nodes the heartbeats share one folder; another node's pid can name an unrelated
+    process here (one whose command line even looks like a rank's), which _kill would SIGKILL."""
+    lookalike = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "bench.run.worker"])
+    try:
+        launch = Launch([], {}, tmp_path, tmp_path / "log", tmp_path, 20, True, nproc=2)
+        for rank in (0, 1):
+            progress.Progress(tmp_path, rank).beat("step", 1)
+        beats = progress.read_beats(tmp_path)
+        (tmp_path / "rank0.json").write_text(json.dumps({**beats[0], "pid": lookalike.pid, "host": "elsewhere"}))
+        (tmp_path / "rank1.json").write_text(json.dumps({**beats[1], "pid": lookalike.pid}))   # this host
+        assert launch._check(time.time()) is None
+        assert list(launch.ranks) == [1] and launch.ranks[1].pid == lookalike.pid
+    finally:
+        lookalike.kill()
+        lookalike.wait()
 
 
 # ---- multi-process: real runs through the CLI ------------------------------------------------

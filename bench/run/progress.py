@@ -1,7 +1,7 @@
 """What the ranks tell the runner while they train, through small files in one directory.
 
 A rank that dies or hangs cannot report anything afterwards, so each says what it is doing as
-it goes: `rank<N>.json` is that rank's heartbeat (pid, phase, step, wall time), rewritten
+it goes: `rank<N>.json` is that rank's heartbeat (host, pid, phase, step, wall time), rewritten
 atomically at every phase and step; rank 0 appends every completed step to `steps.jsonl`,
 so a failed run keeps the steps it measured; `failure.json` is a failure the ranks detected
 themselves (a non-finite loss). The runner (bench.run.supervise) reads them; the worker
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -27,8 +28,10 @@ class Progress:
 
     def beat(self, phase: str, step: int | None = None) -> None:
         if self.dir is not None:
-            _write_atomic(self.dir / f"rank{self.rank}.json", {"rank": self.rank, "pid": os.getpid(),
-                                                              "phase": phase, "step": step, "time": time.time()})
+            # The host: on several nodes the folder is shared, and a pid names a process on its own host only.
+            _write_atomic(self.dir / f"rank{self.rank}.json",
+                          {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                           "phase": phase, "step": step, "time": time.time()})
 
     def step_done(self, entry: dict) -> None:
         if self.dir is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -118,7 +119,8 @@ class Launch:
     def _check(self, start: float) -> Failure | None:
         beats = progress.read_beats(self.dir)
         for rank, beat in beats.items():
-            if rank not in self.ranks:
+            # Another node's pid may name an unrelated process here, which _kill would then kill.
+            if rank not in self.ranks and beat.get("host") == socket.gethostname():
                 try:
                     p = psutil.Process(beat["pid"])
                     if any("bench.run.worker" in part for part in p.cmdline()):   # not a reused pid
@@ -141,7 +143,7 @@ class Launch:
         return None
 
     def _kill(self, proc: subprocess.Popen) -> None:
-        """SIGKILL the whole tree (a stopped process too); ranks whose torchrun is already gone
+        """SIGKILL the whole tree (a stopped process too); this host's ranks whose torchrun is already gone
         are found through their heartbeats."""
         procs = list(self.ranks.values())
         if proc.poll() is None:     # not yet reaped, so its pid cannot name another process
