@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -334,6 +336,20 @@ def test_worker_start_failure_is_reported(tmp_path):
         with svc:
             pass
     assert all(p.poll() is not None for p in svc.processes)
+
+
+@pytest.mark.multiprocess
+def test_a_service_that_does_not_start_leaves_a_failed_record(tmp_path, monkeypatch):
+    """Before any trainer is launched: the run is recorded failed (a sweep goes on to its next run)."""
+    from bench.records import read_records
+    from bench.run.runner import run
+    monkeypatch.setattr(PreprocessService, "_command", lambda self: [sys.executable, "-c", "raise SystemExit(3)"])
+    cfg, layout = resolve("megatron", "tiny", 2, {**FAST, "data.preprocess": "disaggregated"})
+    record = run(cfg, layout, results=tmp_path / "r.jsonl", wandb_mode="disabled", quiet=True)
+    assert record["status"] == "failed" and record["metrics"]["failure"]["kind"] == "preprocess"
+    assert re.match(r"preprocessing service did not start: preprocessing worker \d exited with code 3 ",
+                    record["reason"]), record["reason"]
+    assert read_records(tmp_path / "r.jsonl") == [record]
 
 
 @pytest.mark.multiprocess

@@ -76,3 +76,17 @@ def test_wandb_step_log_carries_where_the_step_went():
     assert log["step_time(s)"] == 1.0 and log["loss"] == 2.0
     bare = step_log({"step": 0, "latency_s": 0.1, "loss": 1.0})      # a system that does not split its step
     assert not [k for k in bare if k.startswith("phase/")]
+
+
+def test_a_failing_wandb_mirror_warns_in_one_line_and_leaves_the_run_as_recorded(tmp_path, monkeypatch, capsys):
+    """wandb.init raises without a login or a network in online mode; the record is appended
+    before the mirror, so the run (and a sweep's next runs) go on."""
+    from bench.run import runner, wandb_mirror
+
+    def no_login(record, results_dir, mode=None):
+        raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
+    monkeypatch.setattr(wandb_mirror, "mirror", no_login)
+    runner._mirror({"run_id": "r1"}, tmp_path / "runs.jsonl", "online")
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"[bench] warning: W&B mirror of run r1 failed (RuntimeError: api_key not configured (no-tty)); "
+                   f"the record is in {tmp_path / 'runs.jsonl'}"]

@@ -4,6 +4,7 @@ Pure logic first (the job's shape, the multi-node torchrun rendezvous, the sbatc
 bad input, the submit/wait loop with a fake executor); then one sweep through submitit's
 LocalExecutor that completes two runs and resumes without relaunching either.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -75,6 +76,23 @@ def test_multinode_torchrun_rendezvous_at_the_first_node_of_the_slurm_node_list(
     assert 20000 <= slurm_job.master_port("123_4") < 40000
     with pytest.raises(RuntimeError, match="the run needs 3"):
         slurm_job.rendezvous(3, ["a", "b"], 0, "1", tmp_path)
+
+
+def test_node_0_failing_before_its_launch_tells_the_other_nodes_and_keeps_its_error(monkeypatch, tmp_path):
+    """A corrupt shard fails node 0's run before it made the shared work folder: the error is the
+    run's (not a missing folder's), and the followers see `finished` instead of waiting timeout_s."""
+    from workloads.dataset import DatasetError
+    nodes = runner.Nodes(count=2, rank=0, master_addr="gpu07", master_port=20001, work=tmp_path / "1_work")
+    monkeypatch.setattr(slurm_job, "job_nodes", lambda spec: nodes)
+
+    def corrupt(*args, **kwargs):
+        raise DatasetError("shard 3 is corrupt")
+    monkeypatch.setattr(runner, "run", corrupt)
+    with pytest.raises(DatasetError, match="shard 3"):
+        slurm_job.run_job(_spec(_cfg(16), slurm.Settings(gpus_per_node=8), tmp_path))
+    assert (nodes.work / "finished").exists()
+    follower = dataclasses.replace(nodes, rank=1)
+    assert slurm_job.follow(_cfg(16), follower, tmp_path / "runs.jsonl")["status"] == "not started"
 
 
 def test_sbatch_file_asks_for_the_jobs_nodes_and_gpus(monkeypatch, tmp_path):

@@ -109,11 +109,17 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
                 print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
             start = time.perf_counter()
             service = _data_service(cfg, dataset)
-            with service as service_env:
-                if nodes is not None:           # the other nodes start their torchrun once this exists
-                    _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
-                outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
-                                  abort=lambda: _preprocess_failure(service))
+            with contextlib.ExitStack() as serving:
+                try:
+                    service_env = serving.enter_context(service)
+                except (RuntimeError, OSError) as e:    # a worker died or never answered: recorded failed
+                    outcome = supervise.Outcome(1, supervise.Failure(
+                        f"preprocessing service did not start: {e}", {"kind": "preprocess"}), 0.0)
+                else:
+                    if nodes is not None:           # the other nodes start their torchrun once this exists
+                        _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
+                    outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
+                                      abort=lambda: _preprocess_failure(service))
                 # The run is over: a Ctrl-C or SIGTERM from here waits until its record is appended.
                 window.enter_context(interrupts_held())
             raw = json.loads(out.read_text()) if outcome.rc == 0 and out.exists() else None
@@ -124,13 +130,23 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
             kept = progress.read_steps(Path(tmp) / "progress") if raw is None else []
         record = _record(cfg, layout, run_id, raw, failure, kept, dataset, repeat, outcome.wall_s)
         records.append_record(record, results)
-    from bench.run import wandb_mirror
-    wandb_mirror.mirror(record, results.parent, wandb_mode)
+    _mirror(record, results, wandb_mode)
     status = record["status"] + (f" ({record['reason']})" if record["reason"] else "")
     print(f"[bench] {status}", flush=True)
     if outcome.interrupted is not None:      # recorded; now stop whatever called us (a sweep stops too)
         raise outcome.interrupted
     return record
+
+
+def _mirror(record: dict, results: Path, wandb_mode: str | None) -> None:
+    """The record is appended already: W&B failing (no login, no network) costs the run nothing."""
+    from bench.run import wandb_mirror
+    try:
+        wandb_mirror.mirror(record, results.parent, wandb_mode)
+    except Exception as e:  # noqa: BLE001 - any error of wandb's; the record stays the source of truth
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"[bench] warning: W&B mirror of run {record['run_id']} failed ({type(e).__name__}: {first}); "
+              f"the record is in {results}", flush=True)
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ def run_job(spec) -> dict:
     except KeyboardInterrupt:         # scancel (SIGTERM): the runner recorded the run 'interrupted'
         return {"status": "interrupted", "reason": "job cancelled", "run_id": None}
     finally:
-        if nodes is not None:
+        if nodes is not None:       # also when the run failed before it made `work`: followers stop waiting
+            nodes.work.mkdir(parents=True, exist_ok=True)
             (nodes.work / "finished").touch()
     return {"status": record["status"], "reason": record["reason"], "run_id": record["run_id"]}
 
