@@ -88,14 +88,28 @@ def _data_wait_fraction(record: dict) -> float:
     return sum(w for w, _ in pairs) / sum(t for _, t in pairs) if pairs else np.nan
 
 
+def where_it_ran(record: dict) -> str:
+    """A simulated cluster's name, or a measured run's device with the model of it (`cuda (NVIDIA
+    H200)`, `cpu (AMD EPYC, 2 cores)`): records of two clusters or two machines are never pooled
+    as repeats or compared, though their config_key (the resolved config) is the same."""
+    config = record["config"]
+    if config.get("cluster"):
+        return str(config["cluster"])
+    device = str(config.get("device") or "?")
+    hardware = (record.get("env") or {}).get("hardware") or {}
+    if device == "cuda" and hardware.get("gpu"):
+        return f"cuda ({hardware['gpu']['name']})"
+    if device == "cpu" and hardware.get("cpu"):
+        return f"cpu ({hardware['cpu']}, {hardware.get('cpu_count', '?')} cores)"
+    return device
+
+
 def runs_frame(records: list[dict]) -> pd.DataFrame:
     flat = [{k: v for k, v in r.items() if k not in ("steps", "_source")} for r in records]
     runs = pd.json_normalize(flat) if flat else pd.DataFrame()
     for short, long in ALIASES.items():
         runs[short] = runs[long] if long in runs else np.nan
-    # Where it ran: the simulated cluster's name, or a measured run's device. Records of two
-    # clusters (h100-ib, h200-ib) are never compared with each other.
-    runs["cluster"] = [str(r["config"].get("cluster") or r["config"].get("device") or "?") for r in records]
+    runs["cluster"] = [where_it_ran(r) for r in records]
     runs["n_steps"] = [len(r["steps"]) for r in records]
     runs["source"] = [r.get("_source", "") for r in records]
     runs["data_wait_fraction"] = [_data_wait_fraction(r) for r in records]

@@ -1,7 +1,7 @@
 """Repeats of one configuration, summarized: what every comparison in figures and report reads.
 
-Records sharing a `config_key` (bench.config.config_key: the resolved config without tags) are
-repeats of one configuration; a record without one (older, or simulated) is a configuration of
+Records sharing a `config_key` (bench.config.config_key: the resolved config without tags) and
+the machine they ran on (`cluster`) are repeats of one configuration; a record without one (older, or simulated) is a configuration of
 its own. A configuration's samples/s is the median of its repeats, with the order-statistic
 interval of that median (analysis.stats); MFU, tokens/s and the other rates are medians too.
 "Best layout" means the best median, never the luckiest repeat, and a speedup is a ratio of
@@ -20,6 +20,13 @@ MEDIAN_COLUMNS = ("tokens_per_s", "mfu", "mfu_encoder", "mfu_backbone", "mfu_gen
                   "outside_cpu_share")
 
 
+def repeat_key(runs: pd.DataFrame) -> pd.Series:
+    """What makes records repeats of one configuration: their config_key and the machine they ran
+    on, which the key leaves out (analysis.load.where_it_ran); a record without a key is its own."""
+    own = runs["config_key"].where(runs["config_key"].notna(), runs["run_id"])
+    return own.astype(str) + " @ " + runs["cluster"].astype(str)
+
+
 def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration of the ok records in `runs`: the first repeat's columns, with
     samples_per_s the median of the repeats, samples_per_s_low / _high its interval and
@@ -29,9 +36,8 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     if good.empty:
         return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, samples_per_s_level=np.nan,
                            n_repeats=0, cv=np.nan, repeat_values=None, experiments=None)
-    group = good["config_key"].where(good["config_key"].notna(), good["run_id"])
     rows = []
-    for _, g in good.groupby(group, sort=False):
+    for _, g in good.groupby(repeat_key(good), sort=False):
         s = summarize(g["samples_per_s"])
         row = g.iloc[0].copy()
         row["samples_per_s"], row["samples_per_s_low"], row["samples_per_s_high"] = s.median, s.low, s.high

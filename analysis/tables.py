@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
-from analysis.repeats import best_layouts, configurations, with_speedups
-from analysis.stats import ratio_of_medians, summarize
+from analysis.repeats import best_layouts, configurations, repeat_key, with_speedups
+from analysis.stats import Ratio, ratio_of_medians, summarize
 from bench.bootstrap import noise_pct
 
 ORDER = ["workload", "data_profile", "mode", "cluster", "num_devices", "system", "layout_label"]
@@ -58,8 +58,7 @@ def _experiments(config, runs: pd.DataFrame) -> str:
     """Every experiment the configuration's repeats were run for ('main, orchestration: auto')."""
     if not config["experiments"]:
         return "—"
-    same = runs[(runs["config_key"] == config["config_key"]) & (runs["status"] == "ok")] \
-        if pd.notna(config["config_key"]) else runs[runs["run_id"] == config["run_id"]]
+    same = runs[(repeat_key(runs) == repeat_key(config.to_frame().T).iloc[0]) & (runs["status"] == "ok")]
     labels = dict.fromkeys(_experiment(r) for _, r in same.iterrows())
     return ", ".join(labels)
 
@@ -89,18 +88,18 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
     return table
 
 
-def _ratio_lines(best: pd.DataFrame, predicted: dict) -> list[str]:
+def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series) -> list[str]:
     """'<system> vs <baseline>: 1.02× [0.95, 1.10], no difference beyond the noise (±10%).' for
-    each system under study against each baseline (best: best configuration per system), with
-    the simulator's predicted ratio where both configurations were validated."""
+    each system under study against each baseline (best: best configuration per system, chosen
+    among `candidates` of its configurations), with the simulator's predicted ratio where both
+    configurations were validated."""
     order = system_order(best.index)
     baselines = [s for s in order if is_baseline(s)]
     lines = []
     for system in (s for s in order if s not in baselines):
         for b in baselines:
-            ratio = ratio_of_medians(best.loc[system, "repeat_values"], best.loc[b, "repeat_values"])
-            words = ratio.verdict()
-            t_sys, t_base = predicted.get(best.loc[system, "config_key"]), predicted.get(best.loc[b, "config_key"])
+            ratio, words = best_ratio(best, system, b, candidates)
+            t_sys, t_base = predicted.get(best.loc[system, "repeat_key"]), predicted.get(best.loc[b, "repeat_key"])
             if t_sys and t_base:   # same batch: samples/s ratio = inverse ratio of iteration times
                 words += f"; the simulator (bench validate) predicts {t_base / t_sys:.2f}×"
                 if not np.isnan(ratio.low):
@@ -110,13 +109,24 @@ def _ratio_lines(best: pd.DataFrame, predicted: dict) -> list[str]:
     return lines + [""] if lines else []
 
 
+def best_ratio(best: pd.DataFrame, a: str, b: str, candidates: pd.Series) -> tuple[Ratio, str]:
+    """The ratio of `best` rows a and b, each its best of `candidates` configurations chosen on
+    these repeats, and its verdict, which that choice does not make likelier from noise
+    (analysis.stats.chosen_critical_count)."""
+    k_a, k_b = int(candidates[a]), int(candidates[b])
+    ratio = ratio_of_medians(best.loc[a, "repeat_values"], best.loc[b, "repeat_values"], chosen_from=(k_a, k_b))
+    chosen = [f"{name}'s best of {k} configurations" for name, k in ((a, k_a), (b, k_b)) if k > 1]
+    return ratio, ratio.verdict() + (f" ({', '.join(chosen)})" if chosen else "")
+
+
 def predicted_times(runs: pd.DataFrame) -> dict:
-    """config_key -> median simulated iteration time of its validated repeats (bench validate)."""
+    """repeat_key -> median simulated iteration time of its validated repeats (bench validate)."""
     if runs.empty or "tags.measured_run_id" not in runs:
         return {}
     sim = runs[(runs["mode"] == "simulated") & (runs["experiment"] == "validation") & (runs["status"] == "ok")
                & runs["tags.measured_run_id"].notna()]
-    keys = runs[runs["mode"] == "measured"].drop_duplicates("run_id").set_index("run_id")["config_key"]
+    measured = runs[runs["mode"] == "measured"].drop_duplicates("run_id")
+    keys = pd.Series(repeat_key(measured).to_numpy(), index=measured["run_id"])
     sim = sim.assign(key=sim["tags.measured_run_id"].map(keys)).dropna(subset=["key"])
     return sim.groupby("key")["metrics.iteration_time_s"].median().to_dict()
 
@@ -131,7 +141,9 @@ HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh
                "from 6 repeats; below that the repeats' range, whose coverage follows it: 75% / 88% / 94% "
                "at 3 / 4 / 5), and ratios of medians with their exact 95% interval "
                "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
-               "interval excludes 1.")
+               "interval excludes 1. Where each side is its best of several configurations, chosen on the "
+               "same repeats, the interval keeps that choice from raising the chance of a verdict from noise "
+               "above 5% (analysis.stats.chosen_critical_count).")
 
 
 def headline_section(runs: pd.DataFrame) -> list[str]:
@@ -149,14 +161,16 @@ def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict
         return []
     md = [f"### {title[0].upper()}{title[1:]}", ""]
     for (workload, profile, mode, cluster, devices), group in main.groupby(COMPARE_KEYS, sort=False):
-        best = best_layouts(group).set_index("system")
+        best = best_layouts(group)
+        best = best.assign(repeat_key=repeat_key(best)).set_index("system")
+        candidates = configurations(group).groupby("system").size()
         best = best.loc[system_order(best.index)]
         md += [f"{workload} · {profile} · {devices} devices ({mode}, {cluster}):", ""]
         rows = [{"system": s, "best layout": r["layout_label"], "repeats": r["n_repeats"],
                  "samples/s (median)": f"{r['samples_per_s']:.4g}",
                  "interval of the median": median_interval(r),
                  "CV %": num(".1f")(100 * r["cv"]), "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
-        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted)
+        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted, candidates)
     return md
 
 
@@ -192,9 +206,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
     simulated = sim.set_index("tags.measured_run_id")["metrics.iteration_time_s"]
     by_profile = (sim.set_index("tags.measured_run_id")["metrics.iteration_time_s_by_profile"]
                   if "metrics.iteration_time_s_by_profile" in sim.columns else None)
-    group = meas["config_key"].where(meas["config_key"].notna(), meas.index.to_series())
     rows = []
-    for _, g in meas.groupby(group, sort=False):
+    for _, g in meas.groupby(repeat_key(meas.reset_index()).to_numpy(), sort=False):
         times = g["step_time_s"].astype(float)
         s = summarize(times)
         sim_s = float(simulated.loc[g.index].median())
@@ -250,14 +263,13 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
         for (workload, system, cluster, devices), g in configs.groupby(["workload", "system", "cluster", "num_devices"],
                                                                         sort=False):
             best = g.loc[g.groupby(variant)["samples_per_s"].idxmax()].set_index(variant)
+            candidates = g.groupby(variant).size()
             present = [v for v in variants if v in best.index]
             if len(present) < 2:
                 continue
             ref = present[0]
             lines += [f"- {experiment} · {system} · {workload} · {devices} devices ({cluster}): "
-                      + "; ".join(f"{v} vs {ref}: "
-                                  + ratio_of_medians(best.loc[v, "repeat_values"], best.loc[ref, "repeat_values"]
-                                                     ).verdict() for v in present[1:])]
+                      + "; ".join(f"{v} vs {ref}: " + best_ratio(best, v, ref, candidates)[1] for v in present[1:])]
     if not lines:
         return []
     return ["## Ablations: throughput against the reference variant", "",

@@ -17,7 +17,7 @@ from analysis import load as load_mod  # noqa: E402
 from analysis.__main__ import main  # noqa: E402
 from analysis.figures import FIGURES, NoData, draw_all  # noqa: E402
 from analysis.report import write_report  # noqa: E402
-from analysis.repeats import best_layouts  # noqa: E402
+from analysis.repeats import best_layouts, configurations  # noqa: E402
 from analysis.style import system_palette  # noqa: E402
 from bench.records import build_record  # noqa: E402
 from systems.base import baseline_names, system_names  # noqa: E402
@@ -314,7 +314,8 @@ def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
     rng = np.random.default_rng(3)
     recs = (_repeats("megatron", 1.00 * (1 + 0.02 * rng.standard_normal(5)), 0, "m")
             + _repeats("deepspeed", 1.02 * (1 + 0.10 * rng.standard_normal(5)), 10, "d")
-            + _repeats("disttrain", 1.50 * (1 + 0.02 * rng.standard_normal(5)), 20, "t"))
+            + _repeats("disttrain", 1.50 * (1 + 0.02 * rng.standard_normal(5)), 20, "t")
+            + _repeats("disttrain", 1.20 * (1 + 0.02 * rng.standard_normal(5)), 30, "t2"))   # its second layout
     for r in recs:
         r["metrics"].update(busy_machine=False, outside_cpu_share=0.01)
     recs[3]["metrics"].update(busy_machine=True, outside_cpu_share=0.4)
@@ -323,18 +324,35 @@ def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
     best = best_layouts(data.runs, baseline="megatron").set_index("system")
     assert list(best["n_repeats"]) == [5, 5, 5]
     assert best.loc["disttrain", "samples_per_s"] == pytest.approx(       # the median, not the best repeat
-        np.median([r["metrics"]["samples_per_s"] for r in recs if r["system"] == "disttrain"]))
+        np.median([r["metrics"]["samples_per_s"] for r in recs if r["config_key"] == "t"]))
     assert best.loc["disttrain", "speedup_low"] > 1.0
     from analysis.report import headline_section
     text = "\n".join(headline_section(data.runs))
     assert "- disttrain vs megatron: " in text and text.split("- disttrain vs megatron: ")[1].split("\n")[0].endswith(
-        "faster.")
+        "], faster (disttrain's best of 2 configurations).")
     assert "- disttrain vs deepspeed: " in text
     assert "| megatron | tp1-pp1-dp4 | 5 |" in text
     assert text.count("] (94%) |") == 3       # 5 repeats: the range, which covers the median 93.75% of the time
-    assert "1 of 15 measured runs were measured on a busy machine" in text
+    assert "1 of 20 measured runs were measured on a busy machine" in text
     report = write_report(tmp_path / "r", tmp_path / "out", baseline="megatron").read_text()
     assert "| 5 |" in report and "speedup vs megatron" in report
+
+
+def test_one_configuration_measured_on_two_machines_is_two_configurations(tmp_path):
+    """config_key is the resolved config, which leaves the machine out: the same sweep run on an
+    EPYC VM and a Xeon box (or an H100 and an H200) are never pooled as repeats or compared."""
+    recs = _repeats("megatron", [1.0, 1.1, 1.2], 0, "m") + _repeats("megatron", [2.0, 2.1, 2.2], 10, "m")
+    for r, cpu, cores in zip(recs, ["AMD EPYC"] * 3 + ["Intel Xeon"] * 3, [2] * 3 + [16] * 3):
+        r["env"] = {"hardware": {"cpu": cpu, "cpu_count": cores, "gpu": None}}
+    write_results(tmp_path / "r", recs)
+    configs = configurations(load_mod.load(tmp_path / "r").runs).sort_values("cluster")
+    assert list(configs["cluster"]) == ["cpu (AMD EPYC, 2 cores)", "cpu (Intel Xeon, 16 cores)"]
+    medians = list(configs["samples_per_s"])
+    assert list(configs["n_repeats"]) == [3, 3] and medians[1] / medians[0] == pytest.approx(2.1 / 1.1)
+    gpu = {"config": {"device": "cuda"}, "env": {"hardware": {"gpu": {"name": "NVIDIA H200", "count": 1}}}}
+    assert load_mod.where_it_ran(gpu) == "cuda (NVIDIA H200)"
+    assert load_mod.where_it_ran({"config": {"cluster": "h200-ib", "device": "cuda"}}) == "h200-ib"
+    assert load_mod.where_it_ran({"config": {"device": "cpu"}, "env": {}}) == "cpu"      # older records
 
 
 TOY = "toy-dp"  # a system defined only in this test, never registered
