@@ -19,6 +19,7 @@ from bench.config import resolve
 from bench.data.source import ColocatedSource, DataPlan
 from bench.preprocess.service import (DisaggregatedSource, PreprocessService, ProtocolError, decode_microbatch,
                               encode_microbatch, encode_request, preprocess_service, run_identity)
+from bench.preprocess.wire import MAX_REQUEST_BYTES
 from tests.helpers import FAST
 from workloads.dataset import ensure_dataset
 from workloads.loader import DatasetReader
@@ -168,6 +169,19 @@ def test_service_binds_loopback(service):
 
 
 @pytest.mark.multiprocess
+def test_a_service_bound_to_ipv6_loopback_serves(dataset):
+    cfg = _cfg(**{"data.num_workers": 1})
+    with PreprocessService(cfg, dataset, bind="::1") as env:
+        assert env["BENCH_PREPROCESS_ENDPOINTS"].startswith("tcp://[::1]:")
+        source, colocated = _source(cfg, dataset, env), ColocatedSource(_plan(cfg, dataset), cfg.seed, CPU)
+        try:
+            for a, b in zip(source.microbatches(0, 0, 1), colocated.microbatches(0, 0, 1), strict=True):
+                _assert_same(a, b)
+        finally:
+            source.close()
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("reorder", ["none", "both"])
 def test_same_microbatches_as_colocated(service, dataset, reorder):
     _, env = service
@@ -267,6 +281,9 @@ def test_worker_refuses_bad_requests_and_stays_up(service):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(env["BENCH_PREPROCESS_ENDPOINTS"].split(",")[0])
+    big = ctx.socket(zmq.DEALER)
+    big.setsockopt(zmq.LINGER, 0)
+    big.setsockopt(zmq.RCVTIMEO, 1000)
     tiny = get_workload("tiny")
     run = run_identity("tiny", tiny.data_profile.name, SEED)
     try:
@@ -278,11 +295,16 @@ def test_worker_refuses_bad_requests_and_stays_up(service):
             frames = sock.recv_multipart()
             reply = json.loads(frames[0])
             assert reply["type"] == "error" and message in reply["message"], reply
+        big.connect(env["BENCH_PREPROCESS_ENDPOINTS"].split(",")[0])
+        big.send(b"x" * (MAX_REQUEST_BYTES + 1))       # past MAX_REQUEST_BYTES: dropped unread, no reply
+        with pytest.raises(zmq.Again):
+            big.recv()
         sock.send(encode_request(5, [1, 2], run))
         rid, mb = decode_microbatch(sock.recv_multipart())
         assert rid == 5 and mb.sample_ids == [1, 2]
     finally:
         sock.close()
+        big.close()
         ctx.term()
     assert all(p.poll() is None for p in svc.processes)
 

@@ -67,6 +67,7 @@ class DisaggregatedSource:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.IPV6, int(e.startswith("tcp://[")))
             s.connect(e)
             self._socks.append(s)
         self._poller = zmq.Poller()

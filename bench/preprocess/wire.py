@@ -35,6 +35,9 @@ ENDPOINTS_ENV = "BENCH_PREPROCESS_ENDPOINTS"       # comma-separated tcp:// endp
 TIMEOUT_ENV = "BENCH_PREPROCESS_TIMEOUT_S"         # silence before a worker counts as dead
 DEFAULT_TIMEOUT_S = 30.0
 MAX_SAMPLES_PER_REQUEST = 4096
+# A request of MAX_SAMPLES_PER_REQUEST ids is ~40 KB; zmq drops a peer that sends more than this
+# before it is read into memory (a worker bound beyond loopback takes requests from anyone).
+MAX_REQUEST_BYTES = 1 << 20
 MAX_GROUPS = 4096
 MAX_DIMS = 8
 
@@ -103,6 +106,11 @@ def parse_header(frame) -> dict:
 
 
 # --------------------------------------------------------------------------- requests and errors
+
+
+def tcp_host(host: str) -> str:
+    """A host as a tcp:// endpoint names it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def encode_request(request_id: int, sample_ids, run: dict) -> bytes:

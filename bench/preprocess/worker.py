@@ -22,8 +22,8 @@ import torch
 import zmq
 
 from bench import heap
-from bench.preprocess.wire import (HEARTBEAT, ProtocolError, decode_request, encode_error, encode_microbatch,
-                                   run_identity)
+from bench.preprocess.wire import (HEARTBEAT, MAX_REQUEST_BYTES, ProtocolError, decode_request, encode_error,
+                                   encode_microbatch, run_identity, tcp_host)
 from workloads.loader import DatasetReader
 from workloads.presets import get_workload
 
@@ -60,10 +60,11 @@ def serve(args) -> None:
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)          # a vanished trainer raises instead of blocking
     router.setsockopt(zmq.SNDHWM, 0)                    # trainers bound what they ask for
-    host = f"[{args.bind}]" if ":" in args.bind else args.bind
-    router.bind(f"tcp://{host}:{args.port or '*'}")
+    router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+    router.setsockopt(zmq.IPV6, int(":" in args.bind))  # zmq binds IPv4 only unless asked
+    router.bind(f"tcp://{tcp_host(args.bind)}:{args.port or '*'}")
     port = router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-    advertise = args.advertise or args.bind
+    advertise = tcp_host(args.advertise or args.bind)
     done = ctx.socket(zmq.PULL)
     done.setsockopt(zmq.LINGER, 0)
     done.bind(_DONE)
