@@ -105,7 +105,13 @@ class FaultSpec:
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
-    if isinstance(default, bool) or default is None:
+    if isinstance(default, bool):          # `--set overlap=false` arrives as text, and bool("false") is True
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: give true or false")
+        return value
+    if default is None:
         return value
     try:
         return type(default)(value)
@@ -156,10 +162,23 @@ def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
     choice = None
     if AUTO in options.values():
         from bench.sim.auto import auto_options
-        chosen, choice = auto_options(system, workload, nproc, base["global_batch_size"], base["micro_batch_size"])
-        options = {**{k: v for k, v in options.items() if v != AUTO}, **chosen}
+        # What the user set beside "auto" is kept, or refused when the search cannot keep it
+        # (the attention kernel is not the search's to choose).
+        asked = {k: options[k] for k in sets if k in adapter.options and options[k] != AUTO}
+        unkept = sorted(set(asked) - adapter.search_keeps - {"attention"})
+        if unkept:
+            keeps = ", ".join(sorted(adapter.search_keeps)) or "no option"
+            raise ConfigError(f"{', '.join(f'{k}={asked[k]}' for k in unkept)} with auto: {system}'s layout "
+                              f"search keeps {keeps} fixed; give the whole layout explicitly")
+        fixed = {k: v for k, v in asked.items() if k in adapter.search_keeps}
+        chosen, choice = auto_options(system, workload, nproc, base["global_batch_size"], base["micro_batch_size"],
+                                      fixed=fixed)
+        options = {**{k: v for k, v in options.items() if v != AUTO}, **chosen, **asked}
         base["options"] = options
     cfg = RunConfig.from_dict(base)
+    if cfg.optim.clip_grad > 0 and not adapter.clips_by_model_norm:
+        raise ConfigError(f"optim.clip_grad={cfg.optim.clip_grad:g}: {system} would clip each module by its own "
+                          f"gradient norm, not the model's as the other systems do; leave optim.clip_grad at 0")
     layout = adapter.layout(cfg.options, cfg.nproc, workload, cfg.global_batch_size, cfg.micro_batch_size)
     if choice is not None:
         layout = dataclasses.replace(layout, details={**layout.details, "layout_choice": AUTO, "auto": choice})
@@ -181,6 +200,18 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"device={cfg.device!r}; choose cpu or cuda")
     if cfg.steps < 1 or cfg.warmup < 0:
         raise ConfigError(f"steps must be >= 1 and warmup >= 0 (got steps={cfg.steps}, warmup={cfg.warmup})")
+    for key, value, least in (("global_batch_size", cfg.global_batch_size, 1),
+                              ("micro_batch_size", cfg.micro_batch_size, 1),
+                              ("threads_per_proc", cfg.threads_per_proc, 1), ("timeout_s", cfg.timeout_s, 1),
+                              ("data.num_samples", cfg.data.num_samples, 1), ("data.prefetch", cfg.data.prefetch, 0),
+                              ("seed", cfg.seed, 0), ("optim.clip_grad", cfg.optim.clip_grad, 0)):
+        if value < least:
+            raise ConfigError(f"{key}={value} must be >= {least}")
+    if cfg.data.preprocess == "disaggregated" and cfg.data.num_workers < 1:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers}: disaggregated preprocessing needs at least "
+                          f"1 worker")
+    if cfg.backend not in ("gloo", "nccl") or (cfg.backend == "nccl" and cfg.device != "cuda"):
+        raise ConfigError(f"backend={cfg.backend!r} with device={cfg.device}: choose gloo (cpu or cuda) or nccl (cuda)")
     if cfg.global_batch_size % cfg.micro_batch_size:
         raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of "
                           f"micro_batch_size {cfg.micro_batch_size}")

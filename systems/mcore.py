@@ -91,12 +91,14 @@ class UpdateTracker:
             for p in module.parameters():
                 sharded = getattr(p, "tensor_model_parallel", False)
                 if dp_rank[name] == 0 and (sharded or tp_rank[name] == 0):
-                    self.params.append((name, p, p.detach().float().clone()))
+                    # On the host, as DeepSpeed's adapter keeps it: a device copy would add 4 bytes a
+                    # parameter to these systems' peak memory and not to DeepSpeed's.
+                    self.params.append((name, p, p.detach().float().cpu().clone()))
 
     def squared_updates(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, p, start in self.params:
-            out[name] = out.get(name, 0.0) + (p.detach().float() - start).pow(2).sum().item()
+            out[name] = out.get(name, 0.0) + (p.detach().float().cpu() - start).pow(2).sum().item()
         return out
 
 

@@ -65,6 +65,12 @@ def load_sweep(path: Path) -> list[tuple]:
     defaults = spec.get("defaults", {})
     planned = []
     for i, entry in enumerate(spec.get("run", [])):
+        for table in ("sets", "tags"):
+            if not isinstance(entry.get(table, {}), dict) or not isinstance(defaults.get(table, {}), dict):
+                raise ConfigError(f"{path}: run #{i + 1}: {table} must be a table, e.g. {table} = {{ key = value }}")
+        nprocs = entry.get("nproc", defaults.get("nproc", 1))
+        if not all(type(n) is int for n in (nprocs if isinstance(nprocs, list) else [nprocs])):
+            raise ConfigError(f"{path}: run #{i + 1}: nproc = {nprocs!r}; give an integer or a list of integers")
         merged = defaults | entry
         merged["sets"] = defaults.get("sets", {}) | entry.get("sets", {})
         merged["tags"] = defaults.get("tags", {}) | entry.get("tags", {})

@@ -17,8 +17,9 @@ AUTO = "auto"
 
 
 def auto_options(system: str, workload, nproc: int, global_batch_size: int, micro_batch_size: int,
-                 profile_dir: Path | None = None) -> tuple[dict, dict]:
-    """(the options the search chose, what to record about the choice); ConfigError if none fits."""
+                 profile_dir: Path | None = None, fixed: dict | None = None) -> tuple[dict, dict]:
+    """(the options the search chose, keeping those in `fixed`; what to record about the choice);
+    ConfigError if none fits."""
     from bench.profile.profiler import find_profile, load_profile
     from bench.sim.cluster import cpu_cluster
     from bench.sim.simulate import search_layout
@@ -32,7 +33,7 @@ def auto_options(system: str, workload, nproc: int, global_batch_size: int, micr
             profile = None
     cluster = cpu_cluster(nproc, profile=profile)
     found = search_layout(workload, system, nproc, cluster, seed=0, global_batch_size=global_batch_size,
-                          micro_batch_size=micro_batch_size, exact=True)
+                          micro_batch_size=micro_batch_size, exact=True, fixed=fixed)
     if found is None:
         raise ConfigError(f"no {system} layout for {nproc} processes fits this machine; give one explicitly")
     details = {"cluster": cluster.name, "profile": str(path) if profile is not None else None,

@@ -32,6 +32,7 @@ class DistTrainSystem(SystemAdapter):
     sim_module = "systems.disttrain.sim"
     key_skips_defaults = frozenset({"attention", "vpp"})      # added 5 and 6 Dec 2026
     search_keeps = frozenset({"placement"})
+    clips_by_model_norm = False                # one megatron-core optimizer per module
     records_timeline = True
     reorders_data = True
 

@@ -80,7 +80,7 @@ class PipelineRuntime:
         if self.name == "generator":
             cond = inputs["backbone"].detach().requires_grad_()
             gen = self.module(mb, cond)
-            self.sums += torch.stack([gen.sum(), torch.zeros(()), gen.sum()]).detach().double().cpu()
+            self.sums += torch.stack([gen.sum(), gen.new_zeros(()), gen.sum()]).detach().double().cpu()
             return {}, (gen.sum() * self.objective_scale, None, cond, "backbone", 1.0)
         module = self.chunks[chunk]
         first, last = self.first_llm and chunk == 0, self.last_llm and chunk == len(self.chunks) - 1
@@ -95,7 +95,7 @@ class PipelineRuntime:
         if not last:
             return {"backbone": out}, (out, None, received, back, 1.0)
         lm, cond = out
-        self.sums += torch.stack([lm.sum(), lm.sum(), torch.zeros(())]).detach().double().cpu()
+        self.sums += torch.stack([lm.sum(), lm.sum(), lm.new_zeros(())]).detach().double().cpu()
         return {"backbone": cond}, (cond, lm.sum() * self.objective_scale, received, back, self.grad_scale)
 
     def _backward(self, saved, grads: dict) -> dict:
