@@ -176,9 +176,7 @@ def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
         options = {**{k: v for k, v in options.items() if v != AUTO}, **chosen, **asked}
         base["options"] = options
     cfg = RunConfig.from_dict(base)
-    if cfg.optim.clip_grad > 0 and not adapter.clips_by_model_norm:
-        raise ConfigError(f"optim.clip_grad={cfg.optim.clip_grad:g}: {system} would clip each module by its own "
-                          f"gradient norm, not the model's as the other systems do; leave optim.clip_grad at 0")
+    adapter.check_run(cfg)
     layout = adapter.layout(cfg.options, cfg.nproc, workload, cfg.global_batch_size, cfg.micro_batch_size)
     if choice is not None:
         layout = dataclasses.replace(layout, details={**layout.details, "layout_choice": AUTO, "auto": choice})

@@ -184,9 +184,10 @@ class SystemAdapter(ABC):
     # Options added after runs were recorded: left out of bench.config.config_key while at their
     # default, so the repeats recorded before them keep their configuration.
     key_skips_defaults: ClassVar[frozenset[str]] = frozenset()
-    # False: optim.clip_grad would clip each module by its own gradient norm (per-module
-    # optimizers), not the model's as the others do, so a run asking for it is refused.
-    clips_by_model_norm: ClassVar[bool] = True
+
+    def check_run(self, cfg) -> None:
+        """Optional: refuse (ConfigError, one line) a resolved run config (bench.config.RunConfig)
+        that this system would train differently from what it says, before anything launches."""
 
     @abstractmethod
     def layout(self, options: dict[str, Any], nproc: int, workload: Workload, global_batch_size: int,

@@ -89,6 +89,11 @@ class DeepSpeedSystem(SystemAdapter):
     sim_module = "systems.deepspeed.sim"
     key_skips_defaults = frozenset({"attention"})      # added 5 Dec 2026
 
+    def check_run(self, cfg) -> None:
+        if _zero_stage(cfg.options) == 0 and cfg.dtype == "bf16":      # what setup() would find in every rank
+            raise ConfigError("deepspeed: zero_stage=0 with bf16 does not reproduce AdamW on fp32 master weights "
+                              "in DeepSpeed 0.19; use zero_stage >= 1 for bf16")
+
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         stage = _zero_stage(options)
         threshold = options.get("persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)

@@ -32,9 +32,13 @@ class DistTrainSystem(SystemAdapter):
     sim_module = "systems.disttrain.sim"
     key_skips_defaults = frozenset({"attention", "vpp"})      # added 5 and 6 Dec 2026
     search_keeps = frozenset({"placement"})
-    clips_by_model_norm = False                # one megatron-core optimizer per module
     records_timeline = True
     reorders_data = True
+
+    def check_run(self, cfg) -> None:
+        if cfg.optim.clip_grad > 0:     # one megatron-core optimizer per module, each with its own norm
+            raise ConfigError(f"optim.clip_grad={cfg.optim.clip_grad:g}: disttrain would clip each module by its own "
+                              f"gradient norm, not the model's as the other systems do; leave optim.clip_grad at 0")
 
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         if options["placement"] not in PLACEMENTS:
