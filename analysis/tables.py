@@ -116,7 +116,7 @@ def best_ratio(best: pd.DataFrame, a: str, b: str, candidates: pd.Series) -> tup
     k_a, k_b = int(candidates[a]), int(candidates[b])
     ratio = ratio_of_medians(best.loc[a, "repeat_values"], best.loc[b, "repeat_values"], chosen_from=(k_a, k_b))
     chosen = [f"{name}'s best of {k} configurations" for name, k in ((a, k_a), (b, k_b)) if k > 1]
-    return ratio, ratio.verdict() + (f" ({', '.join(chosen)})" if chosen else "")
+    return ratio, ratio.verdict() + (f"; {' and '.join(chosen)}" if chosen else "")
 
 
 def predicted_times(runs: pd.DataFrame) -> dict:

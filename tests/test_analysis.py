@@ -329,7 +329,7 @@ def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
     from analysis.report import headline_section
     text = "\n".join(headline_section(data.runs))
     assert "- disttrain vs megatron: " in text and text.split("- disttrain vs megatron: ")[1].split("\n")[0].endswith(
-        "], faster (disttrain's best of 2 configurations).")
+        "], faster; disttrain's best of 2 configurations.")
     assert "- disttrain vs deepspeed: " in text
     assert "| megatron | tp1-pp1-dp4 | 5 |" in text
     assert text.count("] (94%) |") == 3       # 5 repeats: the range, which covers the median 93.75% of the time
