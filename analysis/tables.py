@@ -54,11 +54,12 @@ def _experiment(run) -> str:
     return f"{name}: {run[variant]}" if variant and pd.notna(run[variant]) else str(name)
 
 
-def _experiments(config, runs: pd.DataFrame) -> str:
-    """Every experiment the configuration's repeats were run for ('main, orchestration: auto')."""
+def _experiments(config, runs: pd.DataFrame, keys: pd.Series) -> str:
+    """Every experiment the configuration's repeats (`keys`: repeat_key of `runs`) were run for
+    ('main, orchestration: auto')."""
     if not config["experiments"]:
         return "—"
-    same = runs[(repeat_key(runs) == repeat_key(config.to_frame().T).iloc[0]) & (runs["status"] == "ok")]
+    same = runs[(keys == repeat_key(config.to_frame().T).iloc[0]) & (runs["status"] == "ok")]
     labels = dict.fromkeys(_experiment(r) for _, r in same.iterrows())
     return ", ".join(labels)
 
@@ -70,12 +71,12 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
     configs = configurations(runs[runs["experiment"] != "validation"])
     if configs.empty:
         return pd.DataFrame()
-    configs = configs.sort_values(ORDER, key=sort_key)
+    configs, keys = configs.sort_values(ORDER, key=sort_key), repeat_key(runs)
     table = pd.DataFrame({
         "system": configs["system"], "workload": configs["workload"], "profile": configs["data_profile"],
         "layout": configs["layout_label"], "devices": configs["num_devices"], "mode": configs["mode"],
         "cluster": configs["cluster"],
-        "experiment": [_experiments(r, runs) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
+        "experiment": [_experiments(r, runs, keys) for _, r in configs.iterrows()], "repeats": configs["n_repeats"],
         "samples/s (median)": configs["samples_per_s"].map(num(".4g")),
         "interval of the median": [median_interval(r) for _, r in configs.iterrows()],
         "MFU %": (configs["mfu"] * 100).map(num(".3g")),

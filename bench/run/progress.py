@@ -25,13 +25,13 @@ class Progress:
 
     def __init__(self, directory: Path | None, rank: int):
         self.dir, self.rank = directory, rank
+        # On several nodes the folder is shared, and a pid names a process on its own host only.
+        self.where = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
 
     def beat(self, phase: str, step: int | None = None) -> None:
         if self.dir is not None:
-            # The host: on several nodes the folder is shared, and a pid names a process on its own host only.
             _write_atomic(self.dir / f"rank{self.rank}.json",
-                          {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                           "phase": phase, "step": step, "time": time.time()})
+                          {**self.where, "phase": phase, "step": step, "time": time.time()})
 
     def step_done(self, entry: dict) -> None:
         if self.dir is not None:

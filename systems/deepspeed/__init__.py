@@ -90,7 +90,9 @@ class DeepSpeedSystem(SystemAdapter):
     key_skips_defaults = frozenset({"attention"})      # added 5 Dec 2026
 
     def check_run(self, cfg) -> None:
-        if _zero_stage(cfg.options) == 0 and cfg.dtype == "bf16":      # what setup() would find in every rank
+        # Measured: ZeRO-0's FP16_UnfusedOptimizer moves bf16 weights visibly less than AdamW on
+        # fp32 master weights (ZeRO-1/2/3 and Megatron agree with each other).
+        if _zero_stage(cfg.options) == 0 and cfg.dtype == "bf16":
             raise ConfigError("deepspeed: zero_stage=0 with bf16 does not reproduce AdamW on fp32 master weights "
                               "in DeepSpeed 0.19; use zero_stage >= 1 for bf16")
 
@@ -140,12 +142,7 @@ class DeepSpeedSystem(SystemAdapter):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from workloads.mllm import MLLMStage
 
-        self.stage = ctx.layout.details["zero_stage"]
-        if self.stage == 0 and ctx.dtype == torch.bfloat16:
-            # Measured: its FP16_UnfusedOptimizer moves bf16 weights visibly less than AdamW on
-            # fp32 master weights (ZeRO-1/2/3 and Megatron agree with each other).
-            raise RuntimeError("deepspeed: zero_stage=0 with bf16 does not reproduce AdamW on fp32 master weights "
-                               "in DeepSpeed 0.19; use zero_stage >= 1 for bf16")
+        self.stage = ctx.layout.details["zero_stage"]      # ZeRO-0 in bf16 is refused before launch (check_run)
         deepspeed = cpu_compat.import_deepspeed(ctx.device)
         self.ctx, self.ps = ctx, ps
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
