@@ -77,7 +77,7 @@ class Layout:
 class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
-    # Off by default so every system does the same math; Megatron clips when set.
+    # Off by default; when set, every system clips by the whole model's gradient norm.
     clip_grad: float = 0.0
 
 

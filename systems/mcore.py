@@ -7,6 +7,7 @@ make DDP actually reduce gradients (without them DP grads are silently not avera
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -40,6 +41,52 @@ def build_optimizer(model_chunks, optim, dtype: torch.dtype, pg_collection=None)
     if pg_collection is not None:
         kwargs = {"pg_collection": pg_collection, "use_gloo_process_groups": False}
     return get_megatron_optimizer(config, model_chunks, **kwargs)
+
+
+def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float,
+                       device) -> tuple[bool, float, list[float]]:
+    """Step one megatron-core optimizer per module (this rank's) with one gradient norm for the
+    whole model, as a single optimizer over all modules would: (stepped, that norm before
+    clipping, each optimizer's seconds, the shared all-reduce split evenly).
+
+    Each optimizer's norm covers its module's ranks (megatron's grad_stats_parallel_group);
+    the rank that `owns_norm` of a module adds its square to one all-reduce over the world, so
+    every module clips by the same factor, min(1, clip_grad / norm), as Megatron and DeepSpeed
+    clip the monolithic model. The inf/nan flag rides in the same all-reduce: all ranks skip
+    together instead of some waiting in a collective the others left.
+    """
+    import torch.distributed as dist
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    spent = [0.0] * len(optimizers)
+
+    def each(fn) -> list:
+        out = []
+        for i, opt in enumerate(optimizers):
+            t0 = time.perf_counter()
+            out.append(fn(opt))
+            spent[i] += time.perf_counter() - t0
+        return out
+
+    def clip(opt) -> None:
+        for inner in getattr(opt, "chained_optimizers", [opt]):
+            params = inner.get_parameters()
+            decoupled = inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=norm, use_decoupled_grad=decoupled)
+
+    found_inf = any(each(lambda opt: opt.prepare_grads()))
+    norms = each(lambda opt: opt.get_grad_norm() or 0.0)
+    t0 = time.perf_counter()
+    stats = torch.tensor([sum(n * n for n, owns in zip(norms, owns_norm) if owns), float(found_inf)],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(stats)
+    spent = [s + (time.perf_counter() - t0) / len(optimizers) for s in spent]
+    if stats[1].item() > 0:
+        return False, float("nan"), spent
+    norm = stats[0].sqrt().item()
+    if clip_grad > 0:
+        each(clip)
+    return all(each(lambda opt: opt.step_with_ready_grads())), norm, spent
 
 
 def attach_grad_hooks(config, model_chunks, overlap: bool = False) -> None:

@@ -7,7 +7,7 @@ import pytest
 from bench.config import resolve
 from bench.run.runner import run
 from systems.base import ConfigError
-from tests.helpers import FAST, assert_step_phases
+from tests.helpers import CLIP, FAST, assert_step_phases
 from workloads.presets import get_workload
 
 STEPS = 5
@@ -33,9 +33,12 @@ def _losses(record):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_reproduces_megatron(tmp_path, data_root, reference, zero_stage):
-    sets = {**SHORT, "data.root": data_root, "zero_stage": zero_stage}
+@pytest.mark.parametrize("zero_stage,clip", [(1, {}), (2, CLIP), (3, {})])
+def test_zero_reproduces_megatron(request, tmp_path, data_root, zero_stage, clip):
+    """Losses, the gradient norm before clipping, each module's weight update; at ZeRO-2 with
+    gradients clipped by the whole model's norm."""
+    reference = request.getfixturevalue("reference_clipped" if clip else "reference")
+    sets = {**SHORT, "data.root": data_root, "zero_stage": zero_stage, **clip}
     if zero_stage == 3:
         # Partition every parameter: the tiny model would otherwise stay whole under
         # DeepSpeed's default persistence threshold and skip ZeRO-3's gathers.
@@ -48,6 +51,8 @@ def test_zero_reproduces_megatron(tmp_path, data_root, reference, zero_stage):
     for step, (mine, ref) in enumerate(zip(losses, want)):
         for value, expected in zip(mine, ref):
             assert value == pytest.approx(expected, rel=1e-4), f"step {step}: {mine} vs megatron {ref}"
+    norms = [s["grad_norm"] for s in record["steps"]]
+    assert norms == pytest.approx([s["grad_norm"] for s in reference["steps"]], rel=1e-4)
     # The weights moved as far, module by module.
     moved = record["metrics"]["weight_update_norm"]
     want = reference["metrics"]["weight_update_norm"]

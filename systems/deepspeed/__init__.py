@@ -222,7 +222,8 @@ class DeepSpeedSystem(SystemAdapter):
         if engine.skipped_steps:
             raise RuntimeError("DeepSpeed skipped an optimizer step (non-finite gradients)")
         # Every rank is a replica that trained on its own samples: each reports those.
-        out = StepOutput()
+        norm = engine.get_global_grad_norm()         # before clipping; None where DeepSpeed skips it
+        out = StepOutput(grad_norm=None if norm is None else float(norm))
         if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop
             out.phase_s = {"compute": scheduled - start, "grad_sync": reduced - scheduled,
                            "optimizer": time.perf_counter() - reduced}

@@ -35,11 +35,6 @@ class DistTrainSystem(SystemAdapter):
     records_timeline = True
     reorders_data = True
 
-    def check_run(self, cfg) -> None:
-        if cfg.optim.clip_grad > 0:     # one megatron-core optimizer per module, each with its own norm
-            raise ConfigError(f"optim.clip_grad={cfg.optim.clip_grad:g}: disttrain would clip each module by its own "
-                              f"gradient norm, not the model's as the other systems do; leave optim.clip_grad at 0")
-
     def layout(self, options, nproc, workload, global_batch_size, micro_batch_size, *, simulated=False) -> Layout:
         if options["placement"] not in PLACEMENTS:
             raise ConfigError(f"placement={options['placement']!r}; choose one of {PLACEMENTS}")

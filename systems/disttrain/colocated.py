@@ -143,13 +143,19 @@ class ColocatedRuntime:
             t0 = time.perf_counter()
             self.models[name].finish_grad_sync()
             t1 = time.perf_counter()
-            ok, _, _ = self.optimizers[name].step()
-            if not ok:
-                raise RuntimeError(f"{name} optimizer step was skipped (non-finite gradients)")
-            t2 = time.perf_counter()
-            busy[name] += t2 - t0
+            busy[name] += t1 - t0
             phases["grad_sync"] += t1 - t0
-            phases["optimizer"] += t2 - t1
-        out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu)
+        # One norm for the whole model: the modules' optimizers step together.
+        t1 = time.perf_counter()
+        ok, grad_norm, spent = mcore.step_by_model_norm([self.optimizers[n] for n in MODULES],
+                                                        [dist.get_rank() == 0] * len(MODULES),
+                                                        self.ctx.optim.clip_grad, self.ctx.device)
+        if not ok:
+            raise RuntimeError("optimizer step was skipped (non-finite gradients)")
+        for name, seconds in zip(MODULES, spent):
+            busy[name] += seconds
+        phases["optimizer"] += time.perf_counter() - t1
+        out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
+                         grad_norm=grad_norm)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out

@@ -17,15 +17,18 @@ def build_grid(tp: int, pp: int, dp: int, rank_offset: int, cp: int = 1):
     grid = HyperCommGrid([tp, cp, pp, dp], ["tp", "cp", "pp", "dp"], rank_offset=rank_offset)
     groups = {name: grid.create_pg(dims) for name, dims in (
         ("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"), ("dp_cp", ["cp", "dp"]),
-        ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]))}
+        ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]), ("module", ["tp", "cp", "pp", "dp"]))}
     member = rank_offset <= dist.get_rank() < rank_offset + tp * cp * pp * dp
     pg = ProcessGroupCollection()
     if member:
+        module_group = groups.pop("module")
         for name, group in groups.items():
             setattr(pg, name, group)
         # No experts: the expert groups coincide with the dense ones (cp is a singleton).
         pg.expt_dp, pg.intra_dp_cp, pg.expt_tp, pg.ep, pg.tp_ep_pp = pg.dp, pg.dp_cp, pg.tp, pg.cp, pg.mp
         pg.tp_ep, pg.tp_dp_cp = pg.tp, pg.dp_cp
         pg.embd = pg.pos_embd = pg.inter_dist_opt = None
-        pg.intra_dist_opt = pg.dp_cp   # one distributed-optimizer instance per module
+        # One distributed-optimizer instance per module: its gradient norm sums over all the
+        # module's ranks (megatron's grad_stats_parallel_group), not its DP group alone.
+        pg.intra_dist_opt = module_group
     return grid, pg, member

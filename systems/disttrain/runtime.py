@@ -50,6 +50,7 @@ class PipelineRuntime:
                                             {self.name: self.dp_rank})
         self.models = [mcore.wrap_ddp(c, self.config, pg) for c in self.chunks]
         self.optimizer = mcore.build_optimizer(self.models, ctx.optim, ctx.dtype, pg)
+        self.owns_norm = torch.distributed.get_rank() == self.mp.rank_offset    # adds the module's norm once
         self.comm = MultiModulePipelineCommunicator(grids, TOPOLOGY, self.config,
                                                     dim_mapping={"b": 0, "s": 1, "h": 2})
         llm = plan.modules["backbone"]
@@ -141,13 +142,15 @@ class PipelineRuntime:
         for model in self.models:
             model.finish_grad_sync()
         t1 = time.perf_counter()
-        ok, _, _ = self.optimizer.step()
+        ok, grad_norm, _ = mcore.step_by_model_norm([self.optimizer], [self.owns_norm], self.ctx.optim.clip_grad,
+                                                    self.ctx.device)
         t2 = time.perf_counter()
         busy += t2 - t0
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
         phases = {"compute": t0 - loaded, "grad_sync": t1 - t0, "optimizer": t2 - t1}
-        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu)
+        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
+                         grad_norm=grad_norm)
         if self.reports:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
         return out
