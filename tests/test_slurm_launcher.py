@@ -2,9 +2,11 @@
 
 Pure logic first (the job's shape, the multi-node torchrun rendezvous, the sbatch text, settings,
 bad input, the submit/wait loop with a fake executor); then one sweep through submitit's
-LocalExecutor that completes two runs and resumes without relaunching either.
+LocalExecutor that completes two runs and resumes without relaunching either, and one run
+across two "nodes" on loopback through the job's own code.
 """
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -13,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.config import RunConfig
+from bench import environment
+from bench.config import RunConfig, dumps, resolve
 from bench.records import read_records
 from bench.run import runner, slurm, slurm_job
 from systems.base import ConfigError, Layout
+from tests.helpers import FAST
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -265,3 +269,42 @@ def test_slurm_sweep_with_the_local_executor_completes_and_resumes(tmp_path):
     assert sorted(p.name for p in (results.parent / "slurm").iterdir()) == jobs
     for f in (p for p in tmp_path.rglob("*") if p.is_file()):              # job pickles and logs included
         assert secret.encode() not in f.read_bytes(), f"the environment's secret reached {f}"
+
+
+# Node 1 of a two-node job, as bench.run.slurm_job.run_job would run it there.
+FOLLOWER = """
+import json, sys
+from pathlib import Path
+from bench.config import RunConfig
+from bench.run import runner, slurm_job
+nodes = runner.Nodes(count=2, rank=1, master_addr="127.0.0.1", master_port=int(sys.argv[2]), work=Path(sys.argv[3]))
+print(json.dumps(slurm_job.follow(RunConfig.from_dict(json.loads(sys.argv[1])), nodes, Path(sys.argv[4]))))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_on_another_node_is_named_by_node_0(monkeypatch, tmp_path):
+    """Two nodes on loopback, two ranks each, through the job's code (run_job on node 0, follow on
+    node 1). Rank 3, on node 1, is killed at step 2: node 0's torchrun sees only its own ranks
+    exit on closed connections (it named one of them before node 1's summary was read)."""
+    cfg, layout = resolve("megatron", "tiny", 4, {**FAST, "fault": "kill@3:2", "timeout_s": 60})
+    nodes = runner.Nodes(count=2, rank=0, master_addr="127.0.0.1", master_port=environment.free_port(),
+                         work=tmp_path / "7_work")
+    results = tmp_path / "runs.jsonl"
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, dumps(cfg), str(nodes.master_port), str(nodes.work),
+                                 str(results)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr(slurm_job, "job_nodes", lambda spec: nodes)
+    spec = slurm.JobSpec(cfg, layout, results, "disabled", 1, slurm.resources(cfg, slurm.Settings(gpus_per_node=2)))
+    try:
+        out = slurm_job.run_job(spec)
+        followed = json.loads(follower.communicate(timeout=120)[0].splitlines()[-1])
+    finally:
+        follower.kill()
+    assert out["status"] == "failed", out
+    assert out["reason"].startswith("rank 3 killed by SIGKILL at step 2; last lines: [bench] fault injected"), out
+    (record,) = read_records(results)
+    failure = record["metrics"]["failure"]
+    assert (failure["kind"], failure["rank"], failure["exit_code"], failure["step"]) == ("signal", 3, -9, 2)
+    assert [s["step"] for s in record["steps"]] == [0, 1]           # both nodes trained the first two steps
+    assert followed["node"] == 1 and followed["reason"] == "torchrun exit code 1"

@@ -5,7 +5,9 @@ it goes: `rank<N>.json` is that rank's heartbeat (host, pid, phase, step, wall t
 atomically at every phase and step; rank 0 appends every completed step to `steps.jsonl`,
 so a failed run keeps the steps it measured; `failure.json` is a failure the ranks detected
 themselves (a non-finite loss). The runner (bench.run.supervise) reads them; the worker
-writes them only when given a directory (`--progress DIR`).
+writes them only when given a directory (`--progress DIR`). On several nodes, each node but
+node 0 leaves `node<N>.json` once its torchrun has ended: what its failure summary said
+(bench.run.slurm_job.follow), which node 0's torchrun never sees.
 """
 from __future__ import annotations
 
@@ -47,6 +49,21 @@ def _write_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
+
+
+def write_node_summary(directory: Path, node: int, summary: dict) -> None:
+    _write_atomic(directory / f"node{node}.json", summary)
+
+
+def read_node_summaries(directory: Path) -> dict[int, dict]:
+    """node -> its summary (bench.run.supervise.node_summary), for the nodes that left one."""
+    out = {}
+    for path in directory.glob("node*.json"):
+        try:
+            out[int(path.stem.removeprefix("node"))] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def read_beats(directory: Path) -> dict[int, dict]:

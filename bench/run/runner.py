@@ -119,7 +119,8 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
                     if nodes is not None:           # the other nodes start their torchrun once this exists
                         _write_launch(nodes, {"run_id": run_id, "dataset": str(dataset), "env": service_env})
                     outcome = _launch(cmd, cfg, log_path, quiet, service_env | {RUN_ID_ENV: run_id}, Path(tmp),
-                                      abort=lambda: _preprocess_failure(service))
+                                      abort=lambda: _preprocess_failure(service),
+                                      followers=nodes.count - 1 if nodes else 0)
                 # The run is over: a Ctrl-C or SIGTERM from here waits until its record is appended.
                 window.enter_context(interrupts_held())
             raw = json.loads(out.read_text()) if outcome.rc == 0 and out.exists() else None
@@ -210,9 +211,9 @@ def _write_launch(nodes: Nodes, launch: dict) -> None:
 
 
 def _launch(cmd: list[str], cfg: RunConfig, log_path: Path, quiet: bool, extra_env: dict, work: Path,
-            abort) -> supervise.Outcome:
+            abort, followers: int) -> supervise.Outcome:
     return supervise.Launch(cmd, launch_env(cfg, extra_env), REPO, log_path, work / "progress", cfg.timeout_s,
-                            quiet, abort, cfg.nproc).run()
+                            quiet, abort, cfg.nproc, followers).run()
 
 
 def launch_env(cfg: RunConfig, extra_env: dict) -> dict:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bench.config import RunConfig
-from bench.run import runner
+from bench.run import progress, runner, supervise
 
 FOLLOW_GRACE_S = 30.0        # a follower's torchrun still up this long after node 0 finished is ended
 
@@ -59,7 +59,8 @@ def run_job(spec) -> dict:
 
 def follow(cfg: RunConfig, nodes: runner.Nodes, results: Path) -> dict:
     """A node other than 0: once node 0 wrote launch.json, torchrun this node's ranks into the same
-    rendezvous; end them if they outlive node 0's run by FOLLOW_GRACE_S."""
+    rendezvous; end them if they outlive node 0's run by FOLLOW_GRACE_S; leave node 0 what this
+    node's torchrun said of its ranks' ends (bench.run.supervise.node_summary)."""
     import psutil
     finished = nodes.work / "finished"
     deadline = time.time() + cfg.timeout_s
@@ -93,6 +94,8 @@ def follow(cfg: RunConfig, nodes: runner.Nodes, results: Path) -> dict:
                         p.kill()
                 psutil.wait_procs(procs, timeout=10)
             proc.wait()
+            lines = log.read_text(errors="replace").splitlines()
+            progress.write_node_summary(nodes.work / "progress", nodes.rank, supervise.node_summary(lines))
     return {"node": nodes.rank, "status": "exited", "reason": f"torchrun exit code {proc.returncode}", "log": str(log)}
 
 

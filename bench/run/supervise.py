@@ -10,7 +10,9 @@ rank that merely saw its peer go ("Connection closed by peer"). So `Launch`:
     `abort` reports a failure outside torchrun (a preprocessing worker died), and then kills
     every process of the run: torchrun, the ranks, anything they started;
   - says why a run failed: which rank, killed by which signal or exited with which code, at
-    which step, with its last lines (`Failure`).
+    which step, with its last lines (`Failure`); on several nodes, with what the other nodes'
+    torchruns said (`node_summary`), since a rank that dies on node 1 shows on node 0 only as
+    its peers' closed connections.
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode
 CONSEQUENCES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer", "Timed out",
                 "timed out", "stopped answering")
 POLL_S = 0.5
+# How long node 0 waits for the other nodes' summaries of a failed run: their torchruns end
+# within seconds of node 0's when a rank died; one whose ranks hang leaves none in time.
+FOLLOWERS_WAIT_S = 30.0
 TAIL = 20                  # lines of the failing rank kept in the record
 REASON_LINES = 3           # of which the one-line reason quotes the last few
 # The phase a rank is in after its last heartbeat named the phase it finished (bench.run.worker).
@@ -68,9 +73,12 @@ class Launch:
     """One torchrun process tree, watched until it ends; `run()` returns how it ended."""
 
     def __init__(self, cmd: list[str], env: dict, cwd: Path, log_path: Path, progress_dir: Path,
-                 timeout_s: float, quiet: bool, abort: Callable[[], str | None] = lambda: None, nproc: int = 0):
+                 timeout_s: float, quiet: bool, abort: Callable[[], str | None] = lambda: None, nproc: int = 0,
+                 followers: int = 0):
+        """followers: how many other nodes run torchruns of this run (bench.run.slurm_job.follow)."""
         self.cmd, self.env, self.cwd, self.log_path = cmd, env, cwd, log_path
         self.dir, self.timeout_s, self.quiet, self.abort, self.nproc = progress_dir, timeout_s, quiet, abort, nproc
+        self.followers = followers
         self.lines: collections.deque[str] = collections.deque(maxlen=300)
         self.rank_lines: dict[int, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL * 2))
@@ -197,6 +205,11 @@ class Launch:
         text = "\n".join(self.lines)
         exits = {int(r): int(c) for r, c in _FAILURE.findall(text)}
         root = _FAILURE.findall(text.split("Root Cause")[-1]) if "Root Cause" in text else []
+        for summary in self._follower_summaries():
+            for r, code in summary["exits"].items():
+                exits.setdefault(int(r), int(code))
+            for r, lines in summary["lines"].items():
+                self.rank_lines[int(r)].extend(lines)
         rank = self._culprit(exits, int(root[0][0]) if root else None)
         if rank is None:
             return self._failure("launch", None, beats, reason=f"exit code {rc}: {_telling_line(list(self.lines))}")
@@ -208,6 +221,14 @@ class Launch:
             return self._failure("signal", rank, beats, how=f"killed by {name}",
                                  extra={"exit_code": code, "signal": name})
         return self._failure("exit", rank, beats, how=f"exited with code {code}", extra={"exit_code": code})
+
+    def _follower_summaries(self) -> list[dict]:
+        summaries = progress.read_node_summaries(self.dir)
+        deadline = time.time() + FOLLOWERS_WAIT_S
+        while len(summaries) < self.followers and time.time() < deadline:
+            time.sleep(POLL_S)
+            summaries = progress.read_node_summaries(self.dir)
+        return list(summaries.values())
 
     def _culprit(self, exits: dict[int, int], root: int | None) -> int | None:
         """The rank that failed first in fact. One seen stopped; else, of the ranks that neither
@@ -237,6 +258,18 @@ class Launch:
                    "log_tail": tail, "positions": {str(r): _where(b) for r, b in sorted(beats.items())}}
         details.update(extra or {})
         return Failure(" ".join(reason.split())[:600], details)
+
+
+def node_summary(lines: list[str]) -> dict:
+    """What a node's torchrun output says of its ranks' ends, for node 0's `Launch` to weigh
+    with its own: the exit code of each rank in its failure summary and those ranks' last lines."""
+    exits = {int(r): int(c) for r, c in _FAILURE.findall("\n".join(lines))}
+    tails: dict[int, collections.deque[str]] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL * 2))
+    for line in lines:
+        rank, body = _split_prefix(line)
+        if rank in exits:
+            tails[rank].append(body)
+    return {"exits": {str(r): c for r, c in exits.items()}, "lines": {str(r): list(t) for r, t in tails.items()}}
 
 
 def _split_prefix(text: str) -> tuple[int | None, str]:
