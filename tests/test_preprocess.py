@@ -19,7 +19,8 @@ from bench.config import resolve
 from bench.data.source import ColocatedSource, DataPlan
 from bench.preprocess.service import (DisaggregatedSource, PreprocessService, ProtocolError, decode_microbatch,
                               encode_microbatch, encode_request, preprocess_service, run_identity)
-from bench.preprocess.wire import MAX_REQUEST_BYTES
+from bench.preprocess import worker
+from bench.preprocess.wire import MAX_REQUEST_BYTES, TOKEN_ENV
 from tests.helpers import FAST
 from workloads.dataset import ensure_dataset
 from workloads.loader import DatasetReader
@@ -54,7 +55,8 @@ def service(dataset):
 
 def _source(cfg, dataset, env, rank=0, timeout_s=10.0):
     return DisaggregatedSource(_plan(cfg, dataset), cfg, dataset, CPU, rank,
-                               endpoints=env["BENCH_PREPROCESS_ENDPOINTS"].split(","), timeout_s=timeout_s)
+                               endpoints=env["BENCH_PREPROCESS_ENDPOINTS"].split(","), timeout_s=timeout_s,
+                               token=env[TOKEN_ENV])
 
 
 def _tensors(mb):
@@ -285,12 +287,15 @@ def test_worker_refuses_bad_requests_and_stays_up(service):
     big.setsockopt(zmq.LINGER, 0)
     big.setsockopt(zmq.RCVTIMEO, 1000)
     tiny = get_workload("tiny")
-    run = run_identity("tiny", tiny.data_profile.name, SEED)
+    run, token = run_identity("tiny", tiny.data_profile.name, SEED), env[TOKEN_ENV]
+    missing = json.dumps({"type": "load", "id": 6, "sample_ids": [1], "run": run}).encode()
     try:
         for request, message in [(b"not json", "not JSON"),
                                  (pickle.dumps({"type": "load"}), "not JSON"),
-                                 (encode_request(3, [N + 5], run), "sample id"),
-                                 (encode_request(4, [1], dict(run, seed=SEED + 1)), "this worker serves")]:
+                                 (missing, "wrong or missing token"),
+                                 (encode_request(7, [1], run, token[:-1] + "x"), "wrong or missing token"),
+                                 (encode_request(3, [N + 5], run, token), "sample id"),
+                                 (encode_request(4, [1], dict(run, seed=SEED + 1), token), "this worker serves")]:
             sock.send(request)
             frames = sock.recv_multipart()
             reply = json.loads(frames[0])
@@ -299,7 +304,7 @@ def test_worker_refuses_bad_requests_and_stays_up(service):
         big.send(b"x" * (MAX_REQUEST_BYTES + 1))       # past MAX_REQUEST_BYTES: dropped unread, no reply
         with pytest.raises(zmq.Again):
             big.recv()
-        sock.send(encode_request(5, [1, 2], run))
+        sock.send(encode_request(5, [1, 2], run, token))
         rid, mb = decode_microbatch(sock.recv_multipart())
         assert rid == 5 and mb.sample_ids == [1, 2]
     finally:
@@ -349,6 +354,12 @@ def test_missing_endpoints_is_a_clear_error(dataset, monkeypatch):
     cfg = _cfg()
     with pytest.raises(RuntimeError, match="BENCH_PREPROCESS_ENDPOINTS is not set"):
         DisaggregatedSource(_plan(cfg, dataset), cfg, dataset, CPU, 0)
+
+
+def test_a_worker_without_a_token_refuses_to_start(monkeypatch, tmp_path):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit, match=f"{TOKEN_ENV} is not set"):
+        worker.main(["--dataset", str(tmp_path), "--workload", "tiny", "--seed", "0"])
 
 
 @pytest.mark.multiprocess

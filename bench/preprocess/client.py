@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from bench.preprocess.wire import (ENDPOINTS_ENV, TIMEOUT_ENV, ProtocolError, decode_microbatch, default_timeout_s,
-                                   encode_request, parse_header, run_identity)
+from bench.preprocess.wire import (ENDPOINTS_ENV, TIMEOUT_ENV, TOKEN_ENV, ProtocolError, decode_microbatch,
+                                   default_timeout_s, encode_request, parse_header, run_identity)
 from workloads.batch import MicroBatch
 
 
@@ -43,7 +43,7 @@ class DisaggregatedSource:
     POLL_S = 0.2
 
     def __init__(self, plan, cfg, dataset, device, rank: int, *, endpoints: list[str] | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, token: str | None = None):
         self.plan, self.cfg, self.device, self.rank = plan, cfg, device, rank
         self.wait_s = 0.0
         if endpoints is None:
@@ -55,6 +55,7 @@ class DisaggregatedSource:
             if not e.startswith("tcp://"):
                 raise RuntimeError(f"{ENDPOINTS_ENV}: {e!r} is not a tcp:// endpoint")
         self.endpoints = [e.strip() for e in endpoints]
+        self.token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self.timeout_s = default_timeout_s(cfg) if timeout_s is None else float(timeout_s)
         self.request_timeout_s = max(float(cfg.timeout_s), self.timeout_s)
         self.prefetch = max(0, int(cfg.data.prefetch))
@@ -171,7 +172,7 @@ class DisaggregatedSource:
         rid = self._next_id
         self._next_id += 1
         try:
-            self._socks[w].send(encode_request(rid, ids, self._run), zmq.NOBLOCK)
+            self._socks[w].send(encode_request(rid, ids, self._run, self.token), zmq.NOBLOCK)
         except zmq.Again:
             self._fail(f"preprocessing worker {self.endpoints[w]} is not accepting requests (send queue full)")
         self._inflight[rid] = _Request(key, ids, w, now)

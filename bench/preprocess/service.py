@@ -10,6 +10,7 @@ holds the service and re-exports the rest.
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -21,15 +22,15 @@ from pathlib import Path
 
 from bench.preprocess.client import DisaggregatedSource
 from bench.preprocess.wire import (DEFAULT_TIMEOUT_S, DTYPES, ENDPOINTS_ENV, MAX_DIMS, MAX_GROUPS,
-                                   MAX_SAMPLES_PER_REQUEST, PROTOCOL, TIMEOUT_ENV, ProtocolError, decode_microbatch,
-                                   decode_request, default_timeout_s, encode_microbatch, encode_request,
-                                   parse_header, run_identity, tensor_names)
+                                   MAX_SAMPLES_PER_REQUEST, PROTOCOL, TIMEOUT_ENV, TOKEN_ENV, ProtocolError,
+                                   decode_microbatch, decode_request, default_timeout_s, encode_microbatch,
+                                   encode_request, parse_header, run_identity, tensor_names)
 
 __all__ = [
     "PreprocessService", "preprocess_service", "DisaggregatedSource", "ProtocolError",
     "encode_microbatch", "decode_microbatch", "encode_request", "decode_request", "parse_header",
     "run_identity", "tensor_names", "default_timeout_s", "PROTOCOL", "DTYPES", "ENDPOINTS_ENV", "TIMEOUT_ENV",
-    "BIND_ENV", "ADVERTISE_ENV", "READY_ENV", "DEFAULT_TIMEOUT_S", "DEFAULT_READY_TIMEOUT_S",
+    "TOKEN_ENV", "BIND_ENV", "ADVERTISE_ENV", "READY_ENV", "DEFAULT_TIMEOUT_S", "DEFAULT_READY_TIMEOUT_S",
     "MAX_SAMPLES_PER_REQUEST", "MAX_GROUPS", "MAX_DIMS",
 ]
 
@@ -56,6 +57,7 @@ class PreprocessService:
         self.timeout_s = default_timeout_s(cfg) if timeout_s is None else float(timeout_s)
         self.heartbeat_s = max(0.05, min(1.0, self.timeout_s / 5))
         self.ready_timeout_s = float(ready_timeout_s or os.environ.get(READY_ENV) or DEFAULT_READY_TIMEOUT_S)
+        self.token = secrets.token_urlsafe(24)     # this run's only: its workers answer no one else
         self.processes: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
         self.failures: list[str] = []           # workers that died while the service ran
@@ -64,7 +66,7 @@ class PreprocessService:
 
     @property
     def env(self) -> dict[str, str]:
-        return {ENDPOINTS_ENV: ",".join(self.endpoints), TIMEOUT_ENV: repr(self.timeout_s)}
+        return {ENDPOINTS_ENV: ",".join(self.endpoints), TIMEOUT_ENV: repr(self.timeout_s), TOKEN_ENV: self.token}
 
     def _command(self) -> list[str]:
         c = self.cfg
@@ -75,7 +77,7 @@ class PreprocessService:
 
     def start(self) -> dict[str, str]:
         repo = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", **{TOKEN_ENV: self.token})
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         try:
             for _ in range(self.num_workers):

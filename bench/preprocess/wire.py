@@ -2,7 +2,11 @@
 
 No pickle anywhere; nothing that arrives from a socket is unpickled:
   * request, trainer -> worker, one frame of JSON:
-      {"type": "load", "id": <int>, "sample_ids": [<int>, ...], "run": {workload, profile, seed}}
+      {"type": "load", "id": <int>, "sample_ids": [<int>, ...], "run": {workload, profile, seed},
+       "token": <the run's token>}
+    The token is a fresh random string per run (the service makes it and hands it to its
+    workers and the run's trainers in TOKEN_ENV, never on a command line): a worker bound beyond
+    loopback answers only the run's trainers. It authenticates requests; it does not encrypt.
   * reply, worker -> trainer: a JSON header frame and one raw frame per tensor:
       {"type": "batch", "protocol": 1, "id": ..., "sample_ids": [...], "byteorder": "little",
        "image_groups": n, "latent_groups": m,
@@ -15,11 +19,12 @@ No pickle anywhere; nothing that arrives from a socket is unpickled:
     every `heartbeat_s` to each trainer that has requests pending, so a dead worker is
     told apart from a slow one.
 
-The service hands trainers the workers' endpoints and the silence timeout in environment
-variables (ENDPOINTS_ENV, TIMEOUT_ENV).
+The service hands trainers the workers' endpoints, the silence timeout and the token in
+environment variables (ENDPOINTS_ENV, TIMEOUT_ENV, TOKEN_ENV).
 """
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import os
@@ -33,6 +38,7 @@ from workloads.batch import ImageGroup, LatentGroup, MicroBatch
 PROTOCOL = 1
 ENDPOINTS_ENV = "BENCH_PREPROCESS_ENDPOINTS"       # comma-separated tcp:// endpoints
 TIMEOUT_ENV = "BENCH_PREPROCESS_TIMEOUT_S"         # silence before a worker counts as dead
+TOKEN_ENV = "BENCH_PREPROCESS_TOKEN"               # the run's token, in every request
 DEFAULT_TIMEOUT_S = 30.0
 MAX_SAMPLES_PER_REQUEST = 4096
 # A request of MAX_SAMPLES_PER_REQUEST ids is ~40 KB; zmq drops a peer that sends more than this
@@ -113,14 +119,19 @@ def tcp_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def encode_request(request_id: int, sample_ids, run: dict) -> bytes:
+def encode_request(request_id: int, sample_ids, run: dict, token: str) -> bytes:
     return json.dumps({"type": "load", "id": request_id, "sample_ids": [int(i) for i in sample_ids],
-                       "run": run}).encode()
+                       "run": run, "token": token}).encode()
 
 
-def decode_request(frame, num_samples: int) -> dict:
-    """The worker's check of a request; ProtocolError (its message goes back) if malformed."""
+def decode_request(frame, num_samples: int, token: str) -> dict:
+    """The worker's check of a request; ProtocolError (its message goes back) if malformed or
+    without the run's `token`."""
     req = parse_header(frame)
+    given = req.get("token")
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), token.encode()):
+        raise ProtocolError(f"request refused: wrong or missing token (a run's trainers send the {TOKEN_ENV} "
+                            f"its service gave them)")
     if req["type"] != "load":
         raise ProtocolError(f"unknown request type {req['type']!r}")
     _int(req.get("id"), "id")

@@ -1,8 +1,9 @@
 """One preprocessing worker: `python -m bench.preprocess.worker --dataset DIR --workload NAME ...`.
 
 Binds a ZeroMQ ROUTER socket (port chosen by the OS), prints `READY tcp://HOST:PORT` on
-stdout once the dataset is open, then serves `load` requests from any number of trainers
-(see bench.preprocess.wire for the wire format). The main thread owns the socket: it queues
+stdout once the dataset is open, then serves `load` requests carrying the token it was given
+in BENCH_PREPROCESS_TOKEN from any number of trainers (see bench.preprocess.wire for the wire
+format). The main thread owns the socket: it queues
 requests for the loader thread, forwards the loader's encoded replies and sends
 heartbeats to trainers with requests pending. The loader thread decodes JPEGs, tokenizes
 and collates exactly as the trainers would (DatasetReader + collate). The worker exits
@@ -22,8 +23,8 @@ import torch
 import zmq
 
 from bench import heap
-from bench.preprocess.wire import (HEARTBEAT, MAX_REQUEST_BYTES, ProtocolError, decode_request, encode_error,
-                                   encode_microbatch, run_identity, tcp_host)
+from bench.preprocess.wire import (HEARTBEAT, MAX_REQUEST_BYTES, TOKEN_ENV, ProtocolError, decode_request,
+                                   encode_error, encode_microbatch, run_identity, tcp_host)
 from workloads.loader import DatasetReader
 from workloads.presets import get_workload
 
@@ -48,6 +49,10 @@ def _load_loop(ctx: zmq.Context, reader: DatasetReader, jobs: queue.Queue) -> No
 
 
 def serve(args) -> None:
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise SystemExit(f"preprocessing worker: {TOKEN_ENV} is not set; requests must carry a token "
+                         f"(bench.preprocess.service starts workers with a fresh one per run)")
     torch.set_num_threads(1)
     heap.apply(args.host_heap)                          # the trainers' policy (bench.heap)
     workload = get_workload(args.workload, args.profile or None)
@@ -100,7 +105,7 @@ def serve(args) -> None:
                 try:
                     if len(frames) != 1:
                         raise ProtocolError(f"a request is one JSON frame, got {len(frames)} frames")
-                    req = decode_request(frames[0], len(reader))
+                    req = decode_request(frames[0], len(reader), token)
                     if req["run"] != me:
                         raise ProtocolError(f"this worker serves {me}, the request is for {req['run']}")
                 except ProtocolError as e:

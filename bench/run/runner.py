@@ -204,9 +204,11 @@ def _preprocess_failure(service) -> str | None:
 
 
 def _write_launch(nodes: Nodes, launch: dict) -> None:
-    """Atomically: a follower never reads it half-written. Named values only, never os.environ."""
+    """Atomically: a follower never reads it half-written. Named values only, never os.environ;
+    readable by its owner only (it holds the run's preprocessing token)."""
     tmp = nodes.launch_file.with_name(nodes.launch_file.name + ".tmp")
-    tmp.write_text(json.dumps(launch))
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(launch))
     os.replace(tmp, nodes.launch_file)
 
 
