@@ -53,13 +53,24 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
     dist.destroy_process_group()
 
 
+# The measurement processes fork from one server process that imported these once. Spawned, each
+# process imported torch and megatron-core itself: ~7 s of CPU apiece, so a profile's five-process
+# TP timing spent ~17 s of 2 cores importing. The server imports no more than that, runs no
+# tensor op and starts no thread, so each fork starts clean (CUDA, too, is first touched in it).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core.models.gpt",
+                      "megatron.core.transformer.transformer_layer"]
+
+
 def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, timeout: float = 60.0) -> dict | None:
     """Spawn `nprocs` local processes of `worker(rank, port, *args, out_file)`; returns the JSON rank 0
     wrote to `out` (None if it wrote none). A timeout or a failed process is a RuntimeError naming `what`."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
     from bench.environment import free_port
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)     # takes effect when the server starts
     ctx = mp.start_processes(worker, args=(free_port(), *args, str(out)), nprocs=nprocs, join=False,
-                             start_method="spawn")
+                             start_method="forkserver")
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=1.0):
