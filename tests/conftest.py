@@ -1,20 +1,15 @@
 """Fixtures shared by several test modules."""
 import pytest
 
-from tests.helpers import CLIP, DEEP, run_record
+from tests.helpers import DEEP, run_record
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The single-process Megatron run on tiny (TP = PP = DP = 1) that every layout, system and
-    option must reproduce; launched once per session (each launch costs ~10 s of start-up)."""
+    option must reproduce, gradients clipped (tests.helpers.FAST); launched once per session (each
+    launch costs ~10 s of start-up)."""
     return run_record("megatron", 1, {}, tmp_path_factory.mktemp("ref") / "r.jsonl")
-
-
-@pytest.fixture(scope="session")
-def reference_clipped(tmp_path_factory):
-    """The reference run with gradients clipped (tests.helpers.CLIP)."""
-    return run_record("megatron", 1, CLIP, tmp_path_factory.mktemp("ref-clip") / "r.jsonl")
 
 
 @pytest.fixture(scope="session")

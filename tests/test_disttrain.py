@@ -7,17 +7,17 @@ import pytest
 
 from bench.config import resolve
 from systems.base import ConfigError, get_system
-from tests.helpers import CLIP, DEEP, assert_parity, assert_step_phases, run_record
+from tests.helpers import DEEP, assert_parity, assert_step_phases, run_record
 from workloads.presets import get_workload
 
 LOCAL, SDPA = {}, {"attention": "sdpa"}
 PLANS = [
     (4, "enc:1x2,llm:1x1x1,gen:1x1", "disaggregated", LOCAL),   # DP fan-in at encoder -> backbone
     (4, "enc:1x1,llm:1x1x2,gen:1x1", "disaggregated", LOCAL),   # DP fan-out at encoder -> backbone
-    (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated", CLIP),    # TP broadcast, fan-in at backbone -> generator
+    (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated", LOCAL),   # TP broadcast, fan-in at backbone -> generator
     # the backbone pipeline inside the module pipeline, torch SDPA in every module (the reference: local)
     (4, "enc:1x1,llm:1x2x1,gen:1x1", "disaggregated", SDPA),
-    (2, "enc:1x2,llm:2x1x1,gen:1x2", "colocated", CLIP),        # every module on both ranks, own TP/DP
+    (2, "enc:1x2,llm:2x1x1,gen:1x2", "colocated", LOCAL),       # every module on both ranks, own TP/DP
     (2, "enc:1x2,llm:1x1x2,gen:1x2", "colocated", LOCAL),       # equal layouts: the boundaries move nothing
 ]
 
@@ -25,9 +25,9 @@ PLANS = [
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc,plan,placement,sets", PLANS)
-def test_plan_reproduces_reference(request, tmp_path, nproc, plan, placement, sets):
-    """Loss, the whole model's gradient norm each step and each module's weight update."""
-    reference = request.getfixturevalue("reference_clipped" if sets is CLIP else "reference")
+def test_plan_reproduces_reference(tmp_path, reference, nproc, plan, placement, sets):
+    """Loss, the whole model's gradient norm each step (clipped by it: tests.helpers.FAST) and
+    each module's weight update."""
     record = run_record("disttrain", nproc, {"plan": plan, "placement": placement, **sets}, tmp_path / "r.jsonl")
     assert record["layout"]["label"].endswith("-sdpa") == (sets is SDPA)
     assert all(s["grad_norm"] > 0 for s in record["steps"])

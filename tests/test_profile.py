@@ -26,8 +26,8 @@ def tiny_profile(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--workload", "tiny", "--out", str(out),
                            "--microbatches", "3", "--repeats", "1", "--min-seconds", "0.5", "--no-comm",
                            "--gemm-grid", "32,64,128", "--rounds", str(ROUNDS)],
-                          # ~75 s on an idle 2-core VM at one round (mostly its processes' start-up), 133 s
-                          # seen beside other work at three: the timeout only guards against a hang
+                          # ~25-30 s on an idle 2-core VM at one round (75 s before its processes forked from
+                          # one that imported torch once): the timeout only guards against a hang
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[profile] wrote" in proc.stdout
