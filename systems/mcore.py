@@ -80,7 +80,9 @@ def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float
     stats = torch.tensor([sum(n * n for n, owns in zip(norms, owns_norm) if owns), float(found_inf)],
                          dtype=torch.float64, device=device)
     dist.all_reduce(stats)
-    spent = [s + (time.perf_counter() - t0) / len(optimizers) for s in spent]
+    share = (time.perf_counter() - t0) / len(optimizers)
+    for i in range(len(spent)):
+        spent[i] += share
     if stats[1].item() > 0:
         return False, float("nan"), spent
     norm = stats[0].sqrt().item()

@@ -273,8 +273,11 @@ teardown()
 def test_the_checks_bf16_runs_train_on_cpu_near_the_fp32_loss(tmp_path, reference):
     """The GPU check's runs (one process, dtype=bf16; local attention and SDPA) on the CPU: each
     trains `tiny` within bf16's rounding of the fp32 reference (measured: 1.4e-4 relative at most)
-    and not exactly on it (bf16 really used); Megatron and DistTrain run the same bf16 arithmetic,
-    DeepSpeed's optimizer rounds its own way (2e-5)."""
+    and not exactly on it (bf16 really used); Megatron and DistTrain run the same bf16 arithmetic
+    but for the clip factor (tests.helpers.FAST clips): DistTrain adds its modules' squared norms,
+    Megatron sums all gradients' squares at once, and the last bits of the factor, through bf16
+    weights, part the losses by 6.4e-6 at step 4 (under 1e-6 unclipped); DeepSpeed's optimizer rounds
+    its own way (2e-5)."""
     colocated = {"plan": "enc:1x1,llm:1x1x1,gen:1x1", "placement": "colocated"}
     runs = {(system, sets.get("attention", "local")): losses(run_record(system, 1, {"dtype": "bf16", **sets},
                                                                          tmp_path / "r.jsonl"))
@@ -284,5 +287,5 @@ def test_the_checks_bf16_runs_train_on_cpu_near_the_fp32_loss(tmp_path, referenc
     for run, got in runs.items():
         assert got != fp32, f"{run}: the bf16 run gave the fp32 losses to the bit: dtype=bf16 was not used"
         assert all(abs(g - w) <= 1e-3 * abs(w) for g, w in zip(got, fp32, strict=True)), (run, got, fp32)
-    assert runs["disttrain", "sdpa"] == pytest.approx(runs["megatron", "sdpa"], rel=1e-6)
+    assert runs["disttrain", "sdpa"] == pytest.approx(runs["megatron", "sdpa"], rel=2e-5)
     assert runs["deepspeed", "local"] == pytest.approx(runs["megatron", "local"], rel=1e-4)
