@@ -44,7 +44,7 @@ def build_optimizer(model_chunks, optim, dtype: torch.dtype, pg_collection=None)
 
 
 def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float,
-                       device) -> tuple[bool, float, list[float]]:
+                       device) -> tuple[bool, float | None, list[float]]:
     """Step one megatron-core optimizer per module (this rank's) with one gradient norm for the
     whole model, as a single optimizer over all modules would: (stepped, that norm before
     clipping, each optimizer's seconds, the shared all-reduce split evenly).
@@ -54,6 +54,10 @@ def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float
     every module clips by the same factor, min(1, clip_grad / norm), as Megatron and DeepSpeed
     clip the monolithic model. The inf/nan flag rides in the same all-reduce: all ranks skip
     together instead of some waiting in a collective the others left.
+
+    With nothing to clip (clip_grad 0) no norm is taken (None) and each module steps on its own:
+    the all-reduces would hold every module's ranks, and a pipelined backbone's stages, until the
+    last one's backward, a barrier the disaggregated pipeline does not otherwise have.
     """
     import torch.distributed as dist
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -75,6 +79,8 @@ def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float
                 clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=norm, use_decoupled_grad=decoupled)
 
     found_inf = any(each(lambda opt: opt.prepare_grads()))
+    if clip_grad <= 0:
+        return not found_inf and all(each(lambda opt: opt.step_with_ready_grads())), None, spent
     norms = each(lambda opt: opt.get_grad_norm() or 0.0)
     t0 = time.perf_counter()
     stats = torch.tensor([sum(n * n for n, owns in zip(norms, owns_norm) if owns), float(found_inf)],
@@ -86,8 +92,7 @@ def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float
     if stats[1].item() > 0:
         return False, float("nan"), spent
     norm = stats[0].sqrt().item()
-    if clip_grad > 0:
-        each(clip)
+    each(clip)
     return all(each(lambda opt: opt.step_with_ready_grads())), norm, spent
 
 

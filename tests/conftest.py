@@ -13,6 +13,12 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reference_unclipped(tmp_path_factory):
+    """The reference as the recorded runs train by default, gradients unclipped."""
+    return run_record("megatron", 1, {"optim.clip_grad": 0.0}, tmp_path_factory.mktemp("ref-unclipped") / "r.jsonl")
+
+
+@pytest.fixture(scope="session")
 def reference_deep(tmp_path_factory):
     """The single-process Megatron run of tests.helpers.DEEP (a backbone of 4 layers) that the
     interleaved pipelines of Megatron and DistTrain must reproduce."""
