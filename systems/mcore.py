@@ -44,16 +44,18 @@ def build_optimizer(model_chunks, optim, dtype: torch.dtype, pg_collection=None)
 
 
 def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float,
-                       device) -> tuple[bool, float | None, list[float]]:
+                       device) -> tuple[bool, float | None, list[float], float]:
     """Step one megatron-core optimizer per module (this rank's) with one gradient norm for the
     whole model, as a single optimizer over all modules would: (stepped, that norm before
-    clipping, each optimizer's seconds, the shared all-reduce split evenly).
+    clipping, each optimizer's own seconds, the seconds in the shared all-reduce: mostly waiting
+    for the other modules' backwards, which is not this rank's work).
 
     Each optimizer's norm covers its module's ranks (megatron's grad_stats_parallel_group);
     the rank that `owns_norm` of a module adds its square to one all-reduce over the world, so
     every module clips by the same factor, min(1, clip_grad / norm), as Megatron and DeepSpeed
-    clip the monolithic model. The inf/nan flag rides in the same all-reduce: all ranks skip
-    together instead of some waiting in a collective the others left.
+    clip the monolithic model. Where a grad scaler finds inf/nan (fp16; never in fp32 or bf16,
+    which have none), its flag rides in the same all-reduce: all ranks skip together instead of
+    some waiting in a collective the others left.
 
     With nothing to clip (clip_grad 0) no norm is taken (None) and each module steps on its own:
     the all-reduces would hold every module's ranks, and a pipelined backbone's stages, until the
@@ -80,20 +82,18 @@ def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float
 
     found_inf = any(each(lambda opt: opt.prepare_grads()))
     if clip_grad <= 0:
-        return not found_inf and all(each(lambda opt: opt.step_with_ready_grads())), None, spent
+        return not found_inf and all(each(lambda opt: opt.step_with_ready_grads())), None, spent, 0.0
     norms = each(lambda opt: opt.get_grad_norm() or 0.0)
     t0 = time.perf_counter()
     stats = torch.tensor([sum(n * n for n, owns in zip(norms, owns_norm) if owns), float(found_inf)],
                          dtype=torch.float64, device=device)
     dist.all_reduce(stats)
-    share = (time.perf_counter() - t0) / len(optimizers)
-    for i in range(len(spent)):
-        spent[i] += share
+    waited = time.perf_counter() - t0
     if stats[1].item() > 0:
-        return False, float("nan"), spent
+        return False, float("nan"), spent, waited
     norm = stats[0].sqrt().item()
     each(clip)
-    return all(each(lambda opt: opt.step_with_ready_grads())), norm, spent
+    return all(each(lambda opt: opt.step_with_ready_grads())), norm, spent, waited
 
 
 def attach_grad_hooks(config, model_chunks, overlap: bool = False) -> None:

@@ -26,7 +26,6 @@ ONE_EACH = "enc:1x1,llm:1x1x1,gen:1x1"
     ("megatron", {"backend": "mpi"}, "backend='mpi' with device=cpu"),
     ("megatron", {"data.preprocess": "disaggregated", "data.num_workers": 0}, "data.num_workers=0"),
     ("disttrain", {"plan": ONE_EACH, "overlap": "maybe"}, "overlap='maybe': give true or false"),
-    # one optimizer per module: clipping would use each module's own norm, not the model's
     # what DeepSpeed's setup would find in every rank after launch (systems.base.SystemAdapter.check_run)
     ("deepspeed", {"zero_stage": 0, "dtype": "bf16"}, "zero_stage=0 with bf16 does not reproduce AdamW"),
     ("disttrain", {"plan": "auto", "recompute": "true"}, "recompute=True with auto: disttrain's layout search "

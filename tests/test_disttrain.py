@@ -14,8 +14,8 @@ LOCAL, SDPA = {}, {"attention": "sdpa"}
 UNCLIPPED = {"optim.clip_grad": 0.0}        # as recorded runs train: no norm, no wait across modules
 PLANS = [
     (4, "enc:1x2,llm:1x1x1,gen:1x1", "disaggregated", LOCAL),   # DP fan-in at encoder -> backbone
-    (4, "enc:1x1,llm:1x1x2,gen:1x1", "disaggregated", UNCLIPPED),   # DP fan-out at encoder -> backbone
-    (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated", LOCAL),   # TP broadcast, fan-in at backbone -> generator
+    (4, "enc:1x1,llm:1x1x2,gen:1x1", "disaggregated", LOCAL),   # DP fan-out at encoder -> backbone
+    (4, "enc:1x1,llm:2x1x1,gen:1x1", "disaggregated", UNCLIPPED),   # TP broadcast, fan-in at backbone -> generator
     # the backbone pipeline inside the module pipeline, torch SDPA in every module (the reference: local)
     (4, "enc:1x1,llm:1x2x1,gen:1x1", "disaggregated", SDPA),
     (2, "enc:1x2,llm:2x1x1,gen:1x2", "colocated", LOCAL),       # every module on both ranks, own TP/DP

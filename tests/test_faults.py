@@ -122,6 +122,21 @@ def test_a_hang_names_the_rank_that_never_reported_or_stopped(tmp_path):
     assert failure.details["kind"] == "stopped"
 
 
+def test_a_hang_across_nodes_names_the_rank_another_nodes_summary_names(tmp_path):
+    """NCCL ranks on node 0 hang on a peer that died on node 1, whose summary says so
+    (bench.run.slurm_job.follow): the stall names that rank, not the one that moved last."""
+    launch = Launch([], {}, tmp_path, tmp_path / "log", tmp_path, 20, True, nproc=4, followers=1)
+    for rank in range(4):
+        progress.Progress(tmp_path, rank).beat("step", 2)
+    progress.write_node_summary(tmp_path, 1, {"exits": {"2": -15, "3": -9},
+                                              "lines": {"3": ["[bench] fault injected: kill on rank 3 at step 2"]}})
+    failure = launch._stalled(progress.read_beats(tmp_path), 21.0)
+    assert failure.reason.startswith("rank 3 killed by SIGKILL at step 2: no progress for 21 s"), failure.reason
+    assert (failure.details["kind"], failure.details["rank"], failure.details["exit_code"]) == ("signal", 3, -9)
+    progress.write_node_summary(tmp_path, 1, {"exits": {"2": -15}, "lines": {}})     # only torn down: a plain stall
+    assert launch._stalled(progress.read_beats(tmp_path), 21.0).details["kind"] == "stalled"
+
+
 def test_the_supervisor_watches_and_kills_only_its_own_hosts_ranks(tmp_path):
     """On several nodes the heartbeats share one folder; another node's pid can name an unrelated
     process here (one whose command line even looks like a rank's), which _kill would SIGKILL."""

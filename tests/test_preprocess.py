@@ -293,6 +293,7 @@ def test_worker_refuses_bad_requests_and_stays_up(service):
         for request, message in [(b"not json", "not JSON"),
                                  (pickle.dumps({"type": "load"}), "not JSON"),
                                  (missing, "wrong or missing token"),
+                                 (b'{"type": "load", "token": "\\ud800"}', "wrong or missing token"),
                                  (encode_request(7, [1], run, token[:-1] + "x"), "wrong or missing token"),
                                  (encode_request(3, [N + 5], run, token), "sample id"),
                                  (encode_request(4, [1], dict(run, seed=SEED + 1), token), "this worker serves")]:

@@ -129,7 +129,9 @@ def decode_request(frame, num_samples: int, token: str) -> dict:
     without the run's `token`."""
     req = parse_header(frame)
     given = req.get("token")
-    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), token.encode()):
+    # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which a plain encode() raises on
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                                                             token.encode()):
         raise ProtocolError(f"request refused: wrong or missing token (a run's trainers send the {TOKEN_ENV} "
                             f"its service gave them)")
     if req["type"] != "load":

@@ -108,7 +108,7 @@ def serve(args) -> None:
                     req = decode_request(frames[0], len(reader), token)
                     if req["run"] != me:
                         raise ProtocolError(f"this worker serves {me}, the request is for {req['run']}")
-                except ProtocolError as e:
+                except (ProtocolError, ValueError) as e:      # a bad request must not end the worker
                     send(identity, encode_error(_request_id(frames), str(e)))
                     continue
                 pending[identity] = pending.get(identity, 0) + 1

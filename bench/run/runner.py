@@ -100,6 +100,8 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
             config_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
             config_file.write_text(dumps(cfg))
             (Path(tmp) / "progress").mkdir(exist_ok=nodes is not None)
+            for stale in (Path(tmp) / "progress").glob("node*.json"):   # a requeued job's earlier attempt
+                stale.unlink()
             port = nodes.master_port if nodes else environment.free_port()
             cmd = torchrun_command(cfg, config_file, dataset, out, port, Path(tmp), nodes)
             print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
@@ -207,6 +209,7 @@ def _write_launch(nodes: Nodes, launch: dict) -> None:
     """Atomically: a follower never reads it half-written. Named values only, never os.environ;
     readable by its owner only (it holds the run's preprocessing token)."""
     tmp = nodes.launch_file.with_name(nodes.launch_file.name + ".tmp")
+    tmp.unlink(missing_ok=True)                  # O_CREAT's mode applies to a new file only
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(json.dumps(launch))
     os.replace(tmp, nodes.launch_file)

@@ -109,7 +109,10 @@ class Launch:
         wall = time.perf_counter() - t0
         if ended is not None:
             return Outcome(124, ended, wall, interrupted)
-        failure = None if proc.returncode == 0 else self._explain(proc.returncode)
+        try:
+            failure = None if proc.returncode == 0 else self._explain(proc.returncode)
+        except KeyboardInterrupt as e:      # while waiting for the other nodes' summaries
+            return Outcome(124, self._interrupted(e), wall, e)
         return Outcome(proc.returncode, failure, wall)
 
     # ---- while it runs ---------------------------------------------------------------------
@@ -175,6 +178,12 @@ class Launch:
         if self.stopped:
             return self._failure("stopped", min(self.stopped), beats,
                                  how="stopped (process state 'stopped', e.g. SIGSTOP)", after=quiet)
+        # Across nodes, NCCL ranks hang on a peer that died on another node where gloo's saw
+        # the connection close: that node's summary names it.
+        died = self._own_failures(self._follower_exits(wait=False))
+        if died:
+            rank = self._culprit(died, None)
+            return self._ended(rank, died[rank], beats, after=quiet)
         if not beats:
             return self._failure("stalled", None, beats, reason=f"no rank reported progress: {quiet}")
         # No rank is stopped: name one that never reported, else the one that moved last longest
@@ -205,30 +214,37 @@ class Launch:
         text = "\n".join(self.lines)
         exits = {int(r): int(c) for r, c in _FAILURE.findall(text)}
         root = _FAILURE.findall(text.split("Root Cause")[-1]) if "Root Cause" in text else []
-        for summary in self._follower_summaries():
-            for r, code in summary["exits"].items():
-                exits.setdefault(int(r), int(code))
-            for r, lines in summary["lines"].items():
-                self.rank_lines[int(r)].extend(lines)
+        for r, code in self._follower_exits(wait=True).items():
+            exits.setdefault(r, code)
         rank = self._culprit(exits, int(root[0][0]) if root else None)
         if rank is None:
             return self._failure("launch", None, beats, reason=f"exit code {rc}: {_telling_line(list(self.lines))}")
-        code = exits.get(rank)
         if rank in self.stopped:
             return self._failure("stopped", rank, beats, how="stopped (process state 'stopped', e.g. SIGSTOP)")
+        return self._ended(rank, exits.get(rank), beats)
+
+    def _ended(self, rank: int, code: int | None, beats: dict, after: str = "") -> Failure:
         if code is not None and code < 0:
             name = _signal_name(-code)
-            return self._failure("signal", rank, beats, how=f"killed by {name}",
+            return self._failure("signal", rank, beats, how=f"killed by {name}", after=after,
                                  extra={"exit_code": code, "signal": name})
-        return self._failure("exit", rank, beats, how=f"exited with code {code}", extra={"exit_code": code})
+        return self._failure("exit", rank, beats, how=f"exited with code {code}", after=after,
+                             extra={"exit_code": code})
 
-    def _follower_summaries(self) -> list[dict]:
-        summaries = progress.read_node_summaries(self.dir)
+    def _follower_exits(self, wait: bool) -> dict[int, int]:
+        """The other nodes' ranks' exit codes from their summaries (their last lines join
+        rank_lines); `wait`: up to FOLLOWERS_WAIT_S for every follower's."""
+        summaries = progress.read_node_summaries(self.dir) if self.followers else {}
         deadline = time.time() + FOLLOWERS_WAIT_S
-        while len(summaries) < self.followers and time.time() < deadline:
+        while wait and len(summaries) < self.followers and time.time() < deadline:
             time.sleep(POLL_S)
             summaries = progress.read_node_summaries(self.dir)
-        return list(summaries.values())
+        exits = {}
+        for summary in summaries.values():
+            exits.update({int(r): int(code) for r, code in summary["exits"].items()})
+            for r, lines in summary["lines"].items():
+                self.rank_lines[int(r)].extend(lines)
+        return exits
 
     def _culprit(self, exits: dict[int, int], root: int | None) -> int | None:
         """The rank that failed first in fact. One seen stopped; else, of the ranks that neither
@@ -236,14 +252,18 @@ class Launch:
         by a signal, else torchrun's root cause, else the lowest; else torchrun's pick."""
         if self.stopped:
             return min(self.stopped)
-        own = [r for r, c in exits.items() if c != -signal.SIGTERM
-               and not any(k in line for line in self.rank_lines[r] for k in CONSEQUENCES)]
+        own = list(self._own_failures(exits))
         signalled = [r for r in own if exits[r] < 0]
         if signalled:
             return min(signalled)
         if own:
             return root if root in own else min(own)
         return root if root is not None else min(exits, default=None)
+
+    def _own_failures(self, exits: dict[int, int]) -> dict[int, int]:
+        """The ranks that neither got the agent's teardown SIGTERM nor printed a reaction to a peer's failure."""
+        return {r: c for r, c in exits.items() if c != -signal.SIGTERM
+                and not any(k in line for line in self.rank_lines[r] for k in CONSEQUENCES)}
 
     def _failure(self, kind: str, rank: int | None, beats: dict, *, how: str = "", after: str = "",
                  reason: str = "", extra: dict | None = None) -> Failure:

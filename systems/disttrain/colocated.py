@@ -147,14 +147,15 @@ class ColocatedRuntime:
             phases["grad_sync"] += t1 - t0
         # One norm for the whole model: the modules' optimizers step together.
         t1 = time.perf_counter()
-        ok, grad_norm, spent = mcore.step_by_model_norm([self.optimizers[n] for n in MODULES],
-                                                        [dist.get_rank() == 0] * len(MODULES),
-                                                        self.ctx.optim.clip_grad, self.ctx.device)
+        ok, grad_norm, spent, waited = mcore.step_by_model_norm([self.optimizers[n] for n in MODULES],
+                                                                [dist.get_rank() == 0] * len(MODULES),
+                                                                self.ctx.optim.clip_grad, self.ctx.device)
         if not ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
         for name, seconds in zip(MODULES, spent):
             busy[name] += seconds
-        phases["optimizer"] += time.perf_counter() - t1
+        phases["grad_sync"] += waited
+        phases["optimizer"] += time.perf_counter() - t1 - waited
         out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
                          grad_norm=grad_norm)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
