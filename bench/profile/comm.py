@@ -55,8 +55,9 @@ def _comm_worker(rank: int, port: int, sizes, iters: int, out_file: str) -> None
 
 # The measurement processes fork from one server process that imported these once. Spawned, each
 # process imported torch and megatron-core itself: ~7 s of CPU apiece, so a profile's five-process
-# TP timing spent ~17 s of 2 cores importing. The server imports no more than that, runs no
-# tensor op and starts no thread, so each fork starts clean (CUDA, too, is first touched in it).
+# TP timing spent ~17 s of 2 cores importing. The server imports no more than that and runs no
+# tensor op (CUDA, too, is first touched in the child). Importing torch starts one native thread
+# of its own, which a fork does not copy; every profile and test since 6 Dec has run so.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core.models.gpt",
                       "megatron.core.transformer.transformer_layer"]
 

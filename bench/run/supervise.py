@@ -212,7 +212,7 @@ class Launch:
             return self._failure("nonfinite_loss", None, beats, reason=reason,
                                  extra={"step": note["step"], "ranks": ranks, "loss": note.get("loss")})
         text = "\n".join(self.lines)
-        exits = {int(r): int(c) for r, c in _FAILURE.findall(text)}
+        exits = _exit_codes(text)
         root = _FAILURE.findall(text.split("Root Cause")[-1]) if "Root Cause" in text else []
         for r, code in self._follower_exits(wait=True).items():
             exits.setdefault(r, code)
@@ -280,10 +280,15 @@ class Launch:
         return Failure(" ".join(reason.split())[:600], details)
 
 
+def _exit_codes(text: str) -> dict[int, int]:
+    """rank -> exit code, from torchrun's failure summary in `text`."""
+    return {int(r): int(c) for r, c in _FAILURE.findall(text)}
+
+
 def node_summary(lines: list[str]) -> dict:
     """What a node's torchrun output says of its ranks' ends, for node 0's `Launch` to weigh
     with its own: the exit code of each rank in its failure summary and those ranks' last lines."""
-    exits = {int(r): int(c) for r, c in _FAILURE.findall("\n".join(lines))}
+    exits = _exit_codes("\n".join(lines))
     tails: dict[int, collections.deque[str]] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL * 2))
     for line in lines:
         rank, body = _split_prefix(line)
