@@ -144,6 +144,9 @@ class SimStep:
     micro_batch_size: int
     reorder: bool                  # the simulator's own reordering (paper-scale what-ifs)
     runtime_order: Any = None      # bench.sim.batch.RuntimeOrder: the trainers' own assignment, or None
+    # optim.clip_grad of the run: > 0, the optimizers clip by the whole model's gradient norm, one
+    # all-reduce that every rank of the step meets at (DistTrain's modules too: systems.mcore)
+    clip_grad: float = 0.0
 
 
 @dataclass(frozen=True)

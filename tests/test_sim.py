@@ -97,11 +97,13 @@ def test_simulate_cli_appends_a_simulated_record(tmp_path):
     from bench.records import read_records
     results = tmp_path / "r.jsonl"
     p = _cli("--system", "megatron", "--workload", "mllm-9b", "--gpus", "16", "--layout", "tp2-pp2-dp4",
-             "--set", "global_batch_size=32", "--set", "num_batches=1", results=results)
+             "--set", "global_batch_size=32", "--set", "num_batches=1", "--set", "optim.clip_grad=1.0",
+             results=results)
     assert p.returncode == 0, p.stderr
     assert "(simulated)" in p.stdout and len(p.stdout.strip().splitlines()) == 1
     (r,) = read_records(results)
     assert r["mode"] == "simulated" and r["assumptions"]["gpu"] == "H100-SXM" and r["layout"]["label"] == "tp2-pp2-dp4"
+    assert r["config"]["clip_grad"] == 1.0
 
 
 @pytest.mark.parametrize("args,message", [          # in-process: bench.__main__.main, as the CLI runs it
@@ -111,6 +113,8 @@ def test_simulate_cli_appends_a_simulated_record(tmp_path):
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--layout", "tp3-pp1-dp1"], "--layout"),
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--cluster", "b200"], "--cluster"),
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--set", "nope=1"], "unknown --set key"),
+    (["--system", "disttrain", "--workload", "tiny", "--gpus", "4", "--set", "optim.clip_grad=-1"],
+     "clip_grad=-1.0 must be >= 0"),
     (["--system", "megatron", "--workload", "tiny", "--gpus", "4", "--layout", "auto", "--set", "pp=2"],
      "keeps no option fixed"),
     (["--system", "disttrain", "--workload", "tiny", "--gpus", "4", "--layout", "auto", "--set", "recompute=true"],
@@ -148,6 +152,29 @@ def test_only_disttrain_reorders_by_default():
     assert simulate(encoder_heavy(), "disttrain", {"plan": "enc:1x2,llm:2x2x2,gen:1x2"}, 16, **kw)["reorder"] is True
     assert simulate_record("mllm-9b", "deepspeed", 8, options={"zero_stage": 1}, num_batches=1,
                            global_batch_size=16)["config"]["reorder"] is False
+
+
+def test_clipping_makes_disttrains_modules_meet_at_the_models_gradient_norm():
+    """Clipped, DistTrain's modules step only after the whole model's norm (systems.mcore.
+    step_by_model_norm): every rank waits for the last backward, the encoder's, before its optimizer
+    step, where unclipped the backbone's stages step once their own backwards are done. Megatron's
+    stages meet at their norm all-reduce either way (megatron-core's ChainedOptimizer takes it
+    unclipped too), and the colocated step already ends with its ranks in lockstep."""
+    w, kw = get_workload("mllm-9b"), dict(num_batches=1, global_batch_size=64)
+    plan = {"plan": "enc:1x4,llm:2x2x2,gen:1x2"}
+    free, clipped = (simulate(w, "disttrain", plan, 14, clip_grad=c, **kw) for c in (0.0, 1.0))
+    assert clipped["pipeline_times_s"] == free["pipeline_times_s"]
+    # the backbone's optimizer step waits for the encoder's last backward: 3.7 ms later here
+    assert clipped["iteration_time_s"] > free["iteration_time_s"] + 1e-3
+    # on shared CPU cores (validation's cluster) too: its schedule prices the same meeting
+    cpu = cpu_cluster(processes=4, cores=2)
+    small, tiny_plan = get_workload("small"), {"plan": "enc:1x1,llm:1x2x1,gen:1x1"}
+    free, clipped = (simulate(small, "disttrain", tiny_plan, 4, cpu, clip_grad=c, num_batches=1) for c in (0.0, 1.0))
+    assert clipped["iteration_time_s"] > free["iteration_time_s"]
+    for system, options, gpus in (("megatron", {"tp": 2, "pp": 2, "dp": 4}, 16),
+                                  ("disttrain", {"plan": "enc:2x8,llm:2x1x8,gen:2x8", "placement": "colocated"}, 16)):
+        free, clipped = (simulate(w, system, options, gpus, clip_grad=c, **kw) for c in (0.0, 1.0))
+        assert clipped["iteration_time_s"] == free["iteration_time_s"], system
 
 
 def test_simulating_a_system_without_cost_model_is_a_one_line_error(tmp_path, capsys, monkeypatch):

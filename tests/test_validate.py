@@ -151,6 +151,15 @@ def test_preprocessing_workers_compete_only_while_busy():
     assert always.host["processes"] == 4 and always.host_slowdown == pytest.approx(2.0)
 
 
+def test_a_clipped_disttrain_run_is_simulated_with_its_modules_meeting_at_the_norm():
+    """A measured run's optim.clip_grad reaches the simulator (SimStep.clip_grad): clipped, the
+    backbone's optimizer waits for the encoder's last backward (tests.test_sim has the why)."""
+    prof, plan = synthetic_profile(), {"plan": "enc:1x1,llm:1x1x2,gen:1x1"}
+    free = simulate_measured(measured_record("disttrain", 4, plan, 1.0), prof, cores=2)
+    clipped = simulate_measured(measured_record("disttrain", 4, {**plan, "optim.clip_grad": 1.0}, 1.0), prof, cores=2)
+    assert clipped["median_iteration_s"] > free["median_iteration_s"]
+
+
 def test_cpu_cluster_from_profile():
     cl = cluster_from_profile(synthetic_profile(), processes=3, cores=2)
     assert cl.peak_flops == 5e10 and cl.value_bytes == 4 and cl.p2p_latency == 1e-4

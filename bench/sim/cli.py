@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 SETTABLE = {"seed": int, "num_batches": int, "reorder": bool, "global_batch_size": int, "micro_batch_size": int,
-            "profile": str}
-# `bench run` spells the data profile data.profile; accept that spelling here too.
-ALIASES = {"data.profile": "profile"}
+            "profile": str, "clip_grad": float}
+# `bench run` spells these data.profile and optim.clip_grad; accept those spellings here too.
+ALIASES = {"data.profile": "profile", "optim.clip_grad": "clip_grad"}
 
 
 class InputError(ValueError):
@@ -159,6 +159,8 @@ def run(args) -> dict:
         raise InputError(e.args[0]) from None
     B = sets.get("global_batch_size", w.global_batch_size)
     mbs = sets.get("micro_batch_size", w.micro_batch_size)
+    if sets.get("clip_grad", 0.0) < 0:
+        raise InputError(f"--set clip_grad={sets['clip_grad']} must be >= 0 (0: no clipping)")
     if B < 1 or mbs < 1 or B % mbs:
         raise InputError(f"global_batch_size {B} must be a positive multiple of micro_batch_size {mbs}")
     options = parse_layout(adapter, args.layout, set_options)
@@ -177,7 +179,7 @@ def run(args) -> dict:
     return simulate_record(args.workload, args.system, args.gpus, cluster, options, seed=sets.get("seed", 0),
                            num_batches=sets.get("num_batches", 2), reorder=sets.get("reorder"),
                            profile=sets.get("profile"), global_batch_size=B, micro_batch_size=mbs, tags=tags,
-                           fixed=set_options if options == "auto" else None)
+                           fixed=set_options if options == "auto" else None, clip_grad=sets.get("clip_grad", 0.0))
 
 
 def summary(record: dict) -> str:

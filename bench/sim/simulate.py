@@ -44,12 +44,13 @@ def resolve_layout(w: Workload, system: str, options: dict | Layout, num_gpus: i
 def simulate(workload: Workload | str, system: str, options: dict | Layout, num_gpus: int,
              cluster: Cluster | str = "h100", seed: int = 0, num_batches: int = 2, reorder: bool | None = None,
              global_batch_size: int | None = None, micro_batch_size: int | None = None, steps: list[int] | None = None,
-             num_samples: int | None = None, data_order: str | None = None) -> dict:
+             num_samples: int | None = None, data_order: str | None = None, clip_grad: float = 0.0) -> dict:
     """Simulate `num_batches` batches (or exactly the batches `steps` of a dataset of `num_samples`).
 
     data_order None: the simulator's own assignment (reordered when `reorder`); a policy of
     bench.config.REORDER_CHOICES ("none", "intra", ...): the trainers' own assignment with that
     policy (bench.data.source.DataPlan), which validation against measured runs uses.
+    clip_grad: the run's optim.clip_grad (SimStep.clip_grad).
     """
     w = get_workload(workload) if isinstance(workload, str) else workload
     cluster = get_cluster(cluster, w)
@@ -66,7 +67,7 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
         bc = C.batch_costs(w, metas)
         bc.load_s = C.load_seconds(w, metas, cluster)
         rd = RuntimeOrder(w, metas, mbs, data_order, layout.canonical_groups) if data_order is not None else None
-        cost = adapter.simulate_step(layout, SimStep(w, bc, cluster, mbs, reorder, rd), kit)
+        cost = adapter.simulate_step(layout, SimStep(w, bc, cluster, mbs, reorder, rd, clip_grad), kit)
         step_s = cost.pipeline_s + cost.sync_and_host_s
         waits.append(data_wait(cost.data_s, step_s, cluster))
         times.append(step_s + waits[-1])
@@ -118,10 +119,10 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
                     reorder: bool | None = None,
                     profile: str | None = None, global_batch_size: int | None = None,
                     micro_batch_size: int | None = None, tags: dict | None = None,
-                    fixed: dict | None = None) -> dict:
+                    fixed: dict | None = None, clip_grad: float = 0.0) -> dict:
     """A bench.records record (mode "simulated") of one simulation; options None or "auto": the
     system's own layout search, keeping the options in `fixed` (its layout may come with a
-    rounded global batch)."""
+    rounded global batch). The search ranks layouts unclipped; `clip_grad` prices the chosen one."""
     from bench.records import build_record, new_run_id
     w = get_workload(workload_name, profile)
     cl = with_preprocess(get_cluster(cluster, w), w.name)
@@ -140,7 +141,8 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
         B = found.get("global_batch_size", B) if found else B
     reorder = get_system(system).reorders_data if reorder is None else reorder
     config = {"num_gpus": num_gpus, "cluster": cl.name, "seed": seed, "num_batches": num_batches, "reorder": reorder,
-              "global_batch_size": B, "micro_batch_size": mbs, "layout_choice": chosen, "options": options}
+              "global_batch_size": B, "micro_batch_size": mbs, "layout_choice": chosen, "options": options,
+              "clip_grad": clip_grad}
     if fixed:
         config["search_fixed"] = fixed
     common = dict(run_id=new_run_id(), mode="simulated", system=system, workload=w.name,
@@ -158,7 +160,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
         return build_record(**common, status="skipped", reason=reason,
                             layout={"label": "none"}, assumptions=assumptions)
     try:
-        r = simulate(w, system, options, num_gpus, cl, seed, num_batches, reorder, B, mbs)
+        r = simulate(w, system, options, num_gpus, cl, seed, num_batches, reorder, B, mbs, clip_grad=clip_grad)
     except ConfigError as e:
         return build_record(**common, status="skipped", reason=str(e), layout={"label": "invalid", **options},
                             assumptions=assumptions)

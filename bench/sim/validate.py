@@ -91,7 +91,8 @@ def simulate_measured(record: dict, profile: dict, cores: int | None = None) -> 
         return simulate(w, record["system"], dict(cfg.get("options", {})), int(record["num_devices"]), cluster,
                         seed=int(cfg.get("seed", 0)), global_batch_size=int(cfg["global_batch_size"]),
                         micro_batch_size=int(cfg["micro_batch_size"]), steps=steps, num_samples=num_samples,
-                        data_order=cfg.get("data", {}).get("reorder", "none"), reorder=False)
+                        data_order=cfg.get("data", {}).get("reorder", "none"), reorder=False,
+                        clip_grad=float(cfg.get("optim", {}).get("clip_grad", 0.0)))
     busy = None
     if cfg.get("data", {}).get("preprocess") == "disaggregated":
         alone = run(cluster_for(record, profile, cores, busy_workers=0)[0])

@@ -174,6 +174,7 @@ def simulate_step(layout, step, kit) -> StepCost:
     # Each module syncs its gradients and steps its optimizer once its own last backward is done
     # (the generator's, early in the flush, hides behind the encoder's last backwards); the
     # backbone's stages meet first at its optimizer's gradient-norm all-reduce (tail_group).
+    # Clipped, every module's ranks meet at the whole model's norm (systems.mcore.step_by_model_norm).
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     for key, lay, inflight in (("encoder", E, encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
@@ -195,7 +196,7 @@ def simulate_step(layout, step, kit) -> StepCost:
                                 dev_b[-1, 1 + s],
                                 ranks[1 + s] if shared else None)
                        + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
-    group = [-1] + [0] * pp + [-1]
+    group = [0] * S if step.clip_grad > 0 else [-1] + [0] * pp + [-1]
     # Every rank preprocesses its own rows before its schedule (bench.data.source): per column, its
     # slowest rank's loading
     heads = _loading(C, host.load_s(bc), rows, pp, S, cluster) if rd is not None else np.zeros(S)
