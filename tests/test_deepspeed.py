@@ -72,15 +72,12 @@ def test_sdpa_attention_matches_the_local_attention(tmp_path, data_root, referen
 @pytest.mark.multiprocess
 def test_repeated_zero3_runs_exit_cleanly(tmp_path, data_root):
     """ZeRO-3 over gloo could abort at exit with an all-gather in flight (systems/deepspeed): an
-    intermittent failure, so repeated launches (2 here and test_zero_reproduces_megatron[3]: the
-    suite's time budget; it used to be 10)."""
+    intermittent failure, so one more ZeRO-3 launch beside test_zero_reproduces_megatron[3] (the
+    suite's time budget: it used to be 10, each launch ~13 s)."""
     sets = {**SHORT, "steps": 1, "data.root": data_root, "zero_stage": 3, "persistence_threshold": 0}
-    statuses = []
-    for i in range(2):
-        cfg, layout = resolve("deepspeed", "tiny", 2, sets)
-        record = run(cfg, layout, results=tmp_path / f"r{i}.jsonl", wandb_mode="disabled", quiet=True)
-        statuses.append((record["status"], record["reason"]))
-    assert statuses == [("ok", None)] * 2
+    cfg, layout = resolve("deepspeed", "tiny", 2, sets)
+    record = run(cfg, layout, results=tmp_path / "r.jsonl", wandb_mode="disabled", quiet=True)
+    assert (record["status"], record["reason"]) == ("ok", None)
 
 
 @pytest.mark.parametrize("sets, message", [

@@ -17,7 +17,8 @@ from bench.profile.gpu import SCHEMA
 from bench.profile.layers import layer_shapes, mfu, paper_presets, rank_training_flops
 from bench.sim import gpu_profile
 from bench.sim.cluster import CLUSTERS, get_cluster
-from tests.helpers import losses, run_record
+from bench.records import read_records
+from tests.helpers import FAST, losses
 from workloads.presets import get_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -279,10 +280,23 @@ def test_the_checks_bf16_runs_train_on_cpu_near_the_fp32_loss(tmp_path, referenc
     weights, part the losses by 6.4e-6 at step 4 (under 1e-6 unclipped); DeepSpeed's optimizer rounds
     its own way (2e-5)."""
     colocated = {"plan": "enc:1x1,llm:1x1x1,gen:1x1", "placement": "colocated"}
-    runs = {(system, sets.get("attention", "local")): losses(run_record(system, 1, {"dtype": "bf16", **sets},
-                                                                         tmp_path / "r.jsonl"))
-            for system, sets in (("megatron", {}), ("deepspeed", {}), ("megatron", {"attention": "sdpa"}),
-                                 ("disttrain", {**colocated, "attention": "sdpa"}))}
+    configs = [("megatron", {}), ("deepspeed", {}), ("megatron", {"attention": "sdpa"}),
+               ("disttrain", {**colocated, "attention": "sdpa"})]
+    # side by side: each is one process on one of the 2 cores, and most of a run is start-up
+    procs = []
+    for i, (system, sets) in enumerate(configs):
+        args = [sys.executable, "-m", "bench", "run", "--system", system, "--workload", "tiny", "--nproc", "1",
+                "--results", str(tmp_path / f"r{i}.jsonl")]
+        for k, v in {**FAST, "dtype": "bf16", **sets}.items():
+            args += ["--set", f"{k}={v}"]
+        procs.append(subprocess.Popen(args, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    runs = {}
+    for i, ((system, sets), proc) in enumerate(zip(configs, procs)):
+        out = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, out[-2000:]
+        (record,) = read_records(tmp_path / f"r{i}.jsonl")
+        runs[system, sets.get("attention", "local")] = losses(record)
     fp32 = losses(reference)
     for run, got in runs.items():
         assert got != fp32, f"{run}: the bf16 run gave the fp32 losses to the bit: dtype=bf16 was not used"
