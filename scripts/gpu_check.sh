@@ -15,6 +15,7 @@
 #      that one GPU holds, with megatron-core's local attention and with SDPA -> runs.jsonl (a
 #      layout the adapter refuses is one line, exit 2);
 #   4. bench profile --device cuda on `small`'s whole modules -> profile-cuda-small.json;
+#   5. DistTrain colocated again, gradients clipped by the whole model's norm -> runs.jsonl;
 # then manifest.json (date, versions, GPU, this script's commit and sha256, every command with
 # its exit code and seconds) and the logs packed into logs.tar.gz. The folder holds at most 8
 # files, none in sub-folders: what the device tool brings back from $OUT.
@@ -110,5 +111,10 @@ step "disttrain colocated sdpa" 75 "${RUN[@]}" --system disttrain --set plan=enc
 # (5 s of passes, not the CPU default of 30: a lent GPU is not shared, and the step has 90 s)
 step "profile small" 90 "$VPY" -m bench profile --workload small --device cuda --no-gemm --min-seconds 5 \
   --out "$OUTDIR/profile-cuda-small.json"
+
+# ---- 5. DistTrain clipping by the whole model's norm (systems/mcore.py:step_by_model_norm) on
+# CUDA: last, so that out of time it is this step that is skipped
+step "disttrain colocated sdpa clipped" 75 "${RUN[@]}" --system disttrain --set plan=enc:1x1,llm:1x1x1,gen:1x1 \
+  --set placement=colocated --set attention=sdpa --set optim.clip_grad=1.0
 
 echo "[gpu_check] done in $(( $(date +%s) - START ))s -> $OUTDIR"
