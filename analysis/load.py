@@ -23,14 +23,14 @@ WORKLOAD_ORDER = tuple(sorted(PRESETS, key=lambda name: parameter_counts(PRESETS
 # Columns every runs frame has, whether or not any record carries them.
 RUN_COLUMNS = ("run_id", "mode", "cluster", "timestamp", "system", "workload", "data_profile", "status",
                "reason", "num_devices", "layout_label", "experiment", "plan_kind", "pipeline", "reorder",
-               "preprocess", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
+               "preprocess", "clip_grad", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
                "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
                "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source",
                "config_key", "repeat", "outside_cpu_share", "load_average_1m", "busy_machine")
 ALIASES = {  # short name -> json_normalize column
     "layout_label": "layout.label", "experiment": "tags.experiment", "plan_kind": "tags.plan_kind",
     "pipeline": "tags.pipeline",
-    "reorder": "config.data.reorder", "preprocess": "config.data.preprocess",
+    "reorder": "config.data.reorder", "preprocess": "config.data.preprocess", "clip_grad": "config.optim.clip_grad",
     "samples_per_s": "metrics.samples_per_s", "tokens_per_s": "metrics.tokens_per_s",
     "mfu": "metrics.mfu", "mfu_encoder": "metrics.mfu_per_module.encoder",
     "mfu_backbone": "metrics.mfu_per_module.backbone",

@@ -12,6 +12,7 @@ from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, so
 from analysis.repeats import best_layouts, configurations, repeat_key, with_speedups
 from analysis.stats import Ratio, ratio_of_medians, summarize
 from bench.bootstrap import noise_pct
+from bench.records import run_variant
 
 ORDER = ["workload", "data_profile", "mode", "cluster", "num_devices", "system", "layout_label"]
 
@@ -217,7 +218,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
                 if ranges else "")
         lo, hi = float(times.min()), float(times.max())
         first = g.iloc[0]
-        rows.append({"system": first["system"], "workload": first["workload"], "layout": first["layout_label"],
+        layout = first["layout_label"] + run_variant(first["preprocess"], first["reorder"], first["clip_grad"])
+        rows.append({"system": first["system"], "workload": first["workload"], "layout": layout,
                      "nproc": int(first["num_devices"]), "repeats": s.n, "measured median s": s.median,
                      "spread": f"{lo:.4g}..{hi:.4g} (±{50 * (hi - lo) / s.median:.0f}%)", "simulated s": sim_s,
                      "profiles' range": span, "error %": 100.0 * (sim_s - s.median) / s.median,

@@ -57,6 +57,24 @@ def build_record(*, run_id: str, system: str, workload: str, data_profile: str, 
     return record
 
 
+def run_variant(preprocess: Any = None, reorder: Any = None, clip_grad: Any = None) -> str:
+    """What a measured run's layout label leaves out of its configuration, for tables that list
+    configurations by label (" (disagg. preprocessing) (reorder: intra) (clip_grad 1)"); "" for the
+    defaults. Arguments: its config's data.preprocess, data.reorder and optim.clip_grad."""
+    def given(v):
+        return v is not None and v == v          # NaN: a column a frame's record did not have
+    out = " (disagg. preprocessing)" if given(preprocess) and preprocess == "disaggregated" else ""
+    out += f" (reorder: {reorder})" if given(reorder) and reorder != "none" else ""
+    return out + (f" (clip_grad {float(clip_grad):g})" if given(clip_grad) and float(clip_grad) > 0 else "")
+
+
+def record_variant(record: dict) -> str:
+    """run_variant of a record's configuration."""
+    cfg = record["config"]
+    return run_variant(cfg.get("data", {}).get("preprocess"), cfg.get("data", {}).get("reorder"),
+                       cfg.get("optim", {}).get("clip_grad"))
+
+
 def validate_record(record: Any) -> None:
     """Raise RecordError naming the first problem; figures are drawn only from valid records."""
     if not isinstance(record, dict):

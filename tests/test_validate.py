@@ -122,6 +122,27 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
     assert text.rstrip().count("| 60 / 20, 10; 3.0; 12 |") == 1   # then the garbage collector's and the kernel's
 
 
+def test_configurations_of_one_label_are_told_apart(tmp_path):
+    """The layout label does not say a run clipped, preprocessed in workers or reordered its data:
+    validation.md, its log lines and the report's table say it beside the label."""
+    from analysis.load import load
+    from analysis.tables import validation_table
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "cpu-tiny.json").write_text(json.dumps(synthetic_profile()))
+    results = tmp_path / "runs.jsonl"
+    variants = {"tp1-pp1-dp2": {}, "tp1-pp1-dp2 (clip_grad 0.5)": {"optim.clip_grad": 0.5},
+                "tp1-pp1-dp2 (disagg. preprocessing)": {"data.preprocess": "disaggregated", "data.num_workers": 1},
+                "tp1-pp1-dp2 (reorder: intra)": {"data.reorder": "intra"}}
+    results.write_text("".join(json.dumps(measured_record("megatron", 2, sets, 0.05)) + "\n"
+                               for sets in variants.values()))
+    logged = []
+    rows, md = validate(results, profile_dir=tmp_path / "profiles", measure_missing=False, log=logged.append)
+    assert sorted(r["layout"] for r in rows) == sorted(variants)
+    assert all(f"| {label} |" in md.read_text() for label in variants)
+    assert all(any(label in line for line in logged) for label in variants)
+    assert sorted(validation_table(load(tmp_path).runs)["layout"]) == sorted(variants)
+
+
 def test_oversubscription_is_explicit(setup):
     _, _, recs = setup
     prof = synthetic_profile()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import statistics
 
+from bench.records import record_variant
+
 
 def measured_phases(record: dict) -> dict | None:
     """{"compute_s", "after_compute_s"[, "compute_cpu_s"]}: medians over the measured steps (the
@@ -53,7 +55,8 @@ def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
         if None in measured or any("compute_s" not in s["metrics"] for _, s in group):
             continue
         meas = group[0][0]
-        row = {"system": meas["system"], "workload": meas["workload"], "layout": str(meas["layout"].get("label")),
+        row = {"system": meas["system"], "workload": meas["workload"],
+               "layout": str(meas["layout"].get("label")) + record_variant(meas),
                "nproc": int(meas["num_devices"]), "repeats": len(group)}
         for key in ("compute_s", "after_compute_s"):
             m = statistics.median(x[key] for x in measured)

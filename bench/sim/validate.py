@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from bench.bootstrap import noise_pct
+from bench.records import record_variant
 
 GOAL_PCT = 10.0
 def simulatable(system: str) -> bool:
@@ -206,7 +207,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                  for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share", "rank_gc_share",
                           "rank_sys_share")}
         rows.append({"system": meas["system"], "workload": meas["workload"],
-                     "layout": str(meas["layout"].get("label")), "nproc": int(meas["num_devices"]),
+                     "layout": str(meas["layout"].get("label")) + record_variant(meas), "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
                      "reorder": meas["config"].get("data", {}).get("reorder", "none"),
                      "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
@@ -242,10 +243,8 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
               "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC %; kernel % |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
-        extra = (" (disagg. preprocessing)" if r.get("preprocess") == "disaggregated" else "") + \
-            (f" (reorder: {r['reorder']})" if r.get("reorder", "none") != "none" else "")
         share = "?" if r.get("outside_cpu_share") is None else f"{100 * r['outside_cpu_share']:.0f}"
-        lines.append(f"| {r['system']} | {r['workload']} | {r['layout']}{extra} | {r['nproc']} | {r['repeats']} | "
+        lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
                      f"{r['measured_s']:.4g} | {r['measured_low_s']:.4g}..{r['measured_high_s']:.4g} "
                      f"(±{r['spread_pct']:.0f}%) | {r['simulated_s']:.4g}{_range(r)} | {r['error_pct']:+.1f} | "
                      f"{'yes' if r['within_spread'] else 'no'} | {share} | {_rank_shares(r)} |")
