@@ -100,7 +100,7 @@ def test_simulate_cli_appends_a_simulated_record(tmp_path):
              "--set", "global_batch_size=32", "--set", "num_batches=1", "--set", "optim.clip_grad=1.0",
              results=results)
     assert p.returncode == 0, p.stderr
-    assert "(simulated)" in p.stdout and len(p.stdout.strip().splitlines()) == 1
+    assert "(simulated)" in p.stdout and len(p.stdout.strip().splitlines()) == 1 and "(clip_grad 1)" in p.stdout
     (r,) = read_records(results)
     assert r["mode"] == "simulated" and r["assumptions"]["gpu"] == "H100-SXM" and r["layout"]["label"] == "tp2-pp2-dp4"
     assert r["config"]["clip_grad"] == 1.0

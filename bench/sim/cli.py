@@ -183,9 +183,11 @@ def run(args) -> dict:
 
 
 def summary(record: dict) -> str:
+    from bench.records import run_variant
     m, lay = record["metrics"], record["layout"]
     head = (f"[simulate] {record['system']} {record['workload']} on {record['num_devices']} x "
-            f"{record['assumptions']['gpu']} ({record['config']['cluster']}) (simulated): {lay.get('label')}")
+            f"{record['assumptions']['gpu']} ({record['config']['cluster']}) (simulated): {lay.get('label')}"
+            f"{run_variant(clip_grad=record['config'].get('clip_grad'))}")
     if record["status"] != "ok":
         return f"{head}: {record['status']} ({record['reason']})"
     return (f"{head} ({record['config']['layout_choice']}), iteration {m['iteration_time_s']:.4g} s, "
