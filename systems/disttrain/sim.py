@@ -172,9 +172,13 @@ def simulate_step(layout, step, kit) -> StepCost:
     # per rank (encoder, PP ranks, generator) from here; the shared-core schedule keeps the columns
     dev_f, dev_b, S = _per_rank(fwd, pp, vpp), _per_rank(bwd, pp, vpp), pp + 2
     # Each module syncs its gradients and steps its optimizer once its own last backward is done
-    # (the generator's, early in the flush, hides behind the encoder's last backwards); the
-    # backbone's stages meet first at its optimizer's gradient-norm all-reduce (tail_group).
-    # Clipped, every module's ranks meet at the whole model's norm (systems.mcore.step_by_model_norm).
+    # (the generator's, early in the flush, hides behind the encoder's last backwards). Clipped,
+    # every module's ranks meet at the whole model's norm (systems.mcore.step_by_model_norm).
+    # Unclipped the runtime takes no norm and nothing makes the backbone's stages meet, yet they
+    # start their tails together here (tail_group), as since this model was validated: on
+    # `small` PP 2 that prices the time after the schedule at 0.136 s against 0.134 s measured,
+    # without the meeting 0.096 s (docs/validation-log.md, 6 Dec 21:00); at GPU scale the
+    # searches' picks price the same to 6 digits either way. What holds the measured time is open.
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     for key, lay, inflight in (("encoder", E, encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
