@@ -174,11 +174,9 @@ def simulate_step(layout, step, kit) -> StepCost:
     # Each module syncs its gradients and steps its optimizer once its own last backward is done
     # (the generator's, early in the flush, hides behind the encoder's last backwards). Clipped,
     # every module's ranks meet at the whole model's norm (systems.mcore.step_by_model_norm).
-    # Unclipped the runtime takes no norm and nothing makes the backbone's stages meet, yet they
-    # start their tails together here (tail_group), as since this model was validated: on
-    # `small` PP 2 that prices the time after the schedule at 0.136 s against 0.134 s measured,
-    # without the meeting 0.096 s (docs/validation-log.md, 6 Dec 21:00); at GPU scale the
-    # searches' picks price the same to 6 digits either way. What holds the measured time is open.
+    # Unclipped the runtime takes no norm, and nothing makes the backbone's stages meet: the
+    # last stage steps while the first still runs its backwards (the runs' per-rank phases show
+    # it; until 6 Dec the stages met here: docs/validation-log.md, 6 Dec 21:00).
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     for key, lay, inflight in (("encoder", E, encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
@@ -200,7 +198,7 @@ def simulate_step(layout, step, kit) -> StepCost:
                                 dev_b[-1, 1 + s],
                                 ranks[1 + s] if shared else None)
                        + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
-    group = [0] * S if step.clip_grad > 0 else [-1] + [0] * pp + [-1]
+    group = [0] * S if step.clip_grad > 0 else [-1] * S
     # Every rank preprocesses its own rows before its schedule (bench.data.source): per column, its
     # slowest rank's loading
     heads = _loading(C, host.load_s(bc), rows, pp, S, cluster) if rd is not None else np.zeros(S)
