@@ -104,9 +104,10 @@ def run(cfg: RunConfig, layout: Layout, results: Path = DEFAULT_RESULTS, wandb_m
                 stale.unlink()
             port = nodes.master_port if nodes else environment.free_port()
             cmd = torchrun_command(cfg, config_file, dataset, out, port, Path(tmp), nodes)
-            print(f"[bench] {cfg.system} {layout.label} on {cfg.workload}/{cfg.data.profile}: {cfg.nproc} processes "
-                  f"(run {run_id}; log {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})",
-                  flush=True)
+            variant = records.run_variant(cfg.data.preprocess, cfg.data.reorder, cfg.optim.clip_grad)
+            shown = log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path
+            print(f"[bench] {cfg.system} {layout.label}{variant} on {cfg.workload}/{cfg.data.profile}: "
+                  f"{cfg.nproc} processes (run {run_id}; log {shown})", flush=True)
             if not quiet:
                 print(f"[bench] across nodes: {multinode_hint(cfg)}", flush=True)
             start = time.perf_counter()
