@@ -159,8 +159,8 @@ def run(args) -> dict:
         raise InputError(e.args[0]) from None
     B = sets.get("global_batch_size", w.global_batch_size)
     mbs = sets.get("micro_batch_size", w.micro_batch_size)
-    if sets.get("clip_grad", 0.0) < 0:
-        raise InputError(f"--set clip_grad={sets['clip_grad']} must be >= 0 (0: no clipping)")
+    if not 0.0 <= sets.get("clip_grad", 0.0) < float("inf"):       # NaN fails too
+        raise InputError(f"--set clip_grad={sets['clip_grad']} must be a finite number >= 0 (0: no clipping)")
     if B < 1 or mbs < 1 or B % mbs:
         raise InputError(f"global_batch_size {B} must be a positive multiple of micro_batch_size {mbs}")
     options = parse_layout(adapter, args.layout, set_options)

@@ -207,7 +207,8 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                  for k in ("rank_cpu_share", "rank_runqueue_share", "rank_helper_runqueue_share", "rank_gc_share",
                           "rank_sys_share")}
         rows.append({"system": meas["system"], "workload": meas["workload"],
-                     "layout": str(meas["layout"].get("label")) + record_variant(meas), "nproc": int(meas["num_devices"]),
+                     "layout": str(meas["layout"].get("label")) + record_variant(meas),
+                     "nproc": int(meas["num_devices"]),
                      "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
                      "reorder": meas["config"].get("data", {}).get("reorder", "none"),
                      "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
