@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 from pathlib import Path
 
 from bench.config import resolve
@@ -16,6 +17,15 @@ FAST = {"warmup": 0, "steps": 5, "data.num_samples": 64, "peak_flops_s": 0.1, "o
 # Interleaved pipelines need pp x vpp dividing the backbone's layers: small-gen-heavy has 4
 # (tiny 2); two steps of it, against conftest's `reference_deep`.
 DEEP = {"workload": "small-gen-heavy", "sets": {"steps": 2, "global_batch_size": 8, "data.num_samples": 16}}
+
+
+def bench_run_command(system: str, nproc: int, sets: dict, results: Path, workload: str = "tiny") -> list[str]:
+    """`python -m bench run` of one configuration, as a user types it (each of `sets` a --set)."""
+    args = [sys.executable, "-m", "bench", "run", "--system", system, "--workload", workload, "--nproc", str(nproc),
+            "--results", str(results)]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    return args
 
 
 def run_record(system: str, nproc: int, sets: dict, results: Path, workload: str = "tiny") -> dict:

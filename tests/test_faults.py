@@ -27,7 +27,7 @@ from bench.run import progress
 from bench.run.runner import interrupts_held
 from bench.run.supervise import Launch, _split_prefix
 from systems.base import ConfigError
-from tests.helpers import FAST
+from tests.helpers import FAST, bench_run_command
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER = "BENCH_TEST_FAULT_MARKER"
@@ -163,10 +163,8 @@ SYSTEM_SETS = {"disttrain": {"plan": "enc:1x2,llm:2x1x1,gen:1x2", "placement": "
 
 def _bench_run(tmp_path: Path, system: str, sets: dict, env: dict | None = None, *, popen: bool = False):
     marker = uuid.uuid4().hex
-    args = [sys.executable, "-m", "bench", "run", "--system", system, "--workload", "tiny", "--nproc", "2",
-            "--results", str(tmp_path / "results" / "runs.jsonl")]
-    for k, v in {**FAST, "steps": 4, **SYSTEM_SETS.get(system, {}), **sets}.items():
-        args += ["--set", f"{k}={v}"]
+    args = bench_run_command(system, 2, {**FAST, "steps": 4, **SYSTEM_SETS.get(system, {}), **sets},
+                             tmp_path / "results" / "runs.jsonl")
     full_env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", MARKER: marker, **(env or {})}
     if popen:
         return subprocess.Popen(args, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ from bench.profile.layers import layer_shapes, mfu, paper_presets, rank_training
 from bench.sim import gpu_profile
 from bench.sim.cluster import CLUSTERS, get_cluster
 from bench.records import read_records
-from tests.helpers import FAST, losses
+from tests.helpers import FAST, bench_run_command, losses
 from workloads.presets import get_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -283,20 +283,22 @@ def test_the_checks_bf16_runs_train_on_cpu_near_the_fp32_loss(tmp_path, referenc
     configs = [("megatron", {}), ("deepspeed", {}), ("megatron", {"attention": "sdpa"}),
                ("disttrain", {**colocated, "attention": "sdpa"})]
     # side by side: each is one process on one of the 2 cores, and most of a run is start-up
-    procs = []
-    for i, (system, sets) in enumerate(configs):
-        args = [sys.executable, "-m", "bench", "run", "--system", system, "--workload", "tiny", "--nproc", "1",
-                "--results", str(tmp_path / f"r{i}.jsonl")]
-        for k, v in {**FAST, "dtype": "bf16", **sets}.items():
-            args += ["--set", f"{k}={v}"]
-        procs.append(subprocess.Popen(args, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = [subprocess.Popen(bench_run_command(system, 1, {**FAST, "dtype": "bf16", **sets}, tmp_path / f"r{i}.jsonl"),
+                              cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for i, (system, sets) in enumerate(configs)]
     runs = {}
-    for i, ((system, sets), proc) in enumerate(zip(configs, procs)):
-        out = proc.communicate(timeout=600)[0]
-        assert proc.returncode == 0, out[-2000:]
-        (record,) = read_records(tmp_path / f"r{i}.jsonl")
-        runs[system, sets.get("attention", "local")] = losses(record)
+    try:
+        for i, ((system, sets), proc) in enumerate(zip(configs, procs)):
+            out = proc.communicate(timeout=600)[0]
+            assert proc.returncode == 0, out[-2000:]
+            (record,) = read_records(tmp_path / f"r{i}.jsonl")
+            runs[system, sets.get("attention", "local")] = losses(record)
+    finally:                    # a failed one: the others end with the test (each its own torchrun)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
     fp32 = losses(reference)
     for run, got in runs.items():
         assert got != fp32, f"{run}: the bf16 run gave the fp32 losses to the bit: dtype=bf16 was not used"

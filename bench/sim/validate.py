@@ -209,8 +209,6 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
         rows.append({"system": meas["system"], "workload": meas["workload"],
                      "layout": str(meas["layout"].get("label")) + record_variant(meas),
                      "nproc": int(meas["num_devices"]),
-                     "preprocess": meas["config"].get("data", {}).get("preprocess", "colocated"),
-                     "reorder": meas["config"].get("data", {}).get("reorder", "none"),
                      "repeats": len(group), "measured_s": median, "measured_low_s": low, "measured_high_s": high,
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
                      "simulated_low_s": sim_low, "simulated_high_s": sim_high, "profiles": len(by_profile[0]),
