@@ -133,6 +133,9 @@ class StepOutput:
     # CPU seconds of the training thread over the "compute" phase (time.thread_time); against the
     # simulated schedule's work it says how much slower the ranks computed side by side; -1: not timed
     compute_cpu_s: float = -1.0
+    # the same over the "optimizer" phase: against its wall seconds it says whether a slow
+    # optimizer step worked longer (memory, caches) or waited for a core; -1: not timed
+    optimizer_cpu_s: float = -1.0
 
 
 @dataclass(frozen=True)

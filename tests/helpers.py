@@ -59,8 +59,9 @@ SKEW_RATIO, SKEW_S = 1.2, 0.05
 def assert_step_phases(record: dict, nproc: int) -> None:
     """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
     took time, together no longer than the step (up to the ranks' skew) and, for the slowest
-    rank, most of it in the median step; and timed its schedule's CPU seconds: some, and no more
-    than one thread can spend in the schedule's wall seconds."""
+    rank, most of it in the median step; and timed its schedule's and its optimizer step's CPU
+    seconds: some, and no more than one thread can spend in their wall seconds (the optimizer's
+    with the gradient sync's: a clipped DistTrain step counts its wait for the norm there)."""
     covered = []
     for s in record["steps"]:
         ph = s["rank_phase_s"]
@@ -71,6 +72,8 @@ def assert_step_phases(record: dict, nproc: int) -> None:
         covered.append(max(sums) / s["latency_s"])
         cpu = s["rank_compute_cpu_s"]
         assert len(cpu) == nproc and all(0 < c <= w + 0.01 for c, w in zip(cpu, ph["compute"])), (cpu, ph["compute"])
+        opt, walls = s["rank_optimizer_cpu_s"], [o + g for o, g in zip(ph["optimizer"], ph["grad_sync"])]
+        assert len(opt) == nproc and all(0 < c <= w + 0.01 for c, w in zip(opt, walls)), (opt, walls)
     # Most of the step, in the median step: a phase left untimed shows in every step, while one
     # step can stall outside the phases (a DeepSpeed ZeRO-3 step on tiny once read 0.10 s of
     # phases in a 0.47 s step, where the others cover ~90%).

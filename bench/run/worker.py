@@ -133,7 +133,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             "cpu": sched[0], "runqueue": sched[1], "helper_runqueue": sched[2],
             "gc_s": gc_step[0], "gc_full": gc_step[1], "sys": kernel[0], "faults": kernel[1],
             **{f"phase.{p}": result.phase_s.get(p, -1.0) for p in STEP_PHASES},
-            "compute_cpu": result.compute_cpu_s}, world, device)
+            "compute_cpu": result.compute_cpu_s, "optimizer_cpu": result.optimizer_cpu_s}, world, device)
         if rank == 0:
             entry = {
                 "step": step, "warmup": step < cfg.warmup, "latency_s": latency,
@@ -160,6 +160,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
                 entry["rank_phase_s"] = {p: [r[f"phase.{p}"] for r in per_rank] for p in STEP_PHASES}
             if all(r["compute_cpu"] >= 0 for r in per_rank):
                 entry["rank_compute_cpu_s"] = [r["compute_cpu"] for r in per_rank]      # StepOutput.compute_cpu_s
+            if all(r["optimizer_cpu"] >= 0 for r in per_rank):
+                entry["rank_optimizer_cpu_s"] = [r["optimizer_cpu"] for r in per_rank]  # StepOutput.optimizer_cpu_s
             norms = [r["grad_norm"] for r in per_rank if r["grad_norm"] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)

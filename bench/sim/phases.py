@@ -11,6 +11,8 @@ their sum over the ranks against the simulated schedule's work (device-seconds, 
 priced alone) says how much more CPU the same work took with the ranks side by side: the co-run
 slowdown the step actually met, to set beside the profile's (bench.profile.tp). With TP > 1 the
 simulated work includes the TP collectives' waits, which use no CPU: the ratio then reads low.
+Where they timed their optimizer step's CPU seconds too (`rank_optimizer_cpu_s`), those against
+its wall seconds say whether a slow optimizer step worked longer or waited for a core.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from bench.records import record_variant
 
 
 def measured_phases(record: dict) -> dict | None:
-    """{"compute_s", "after_compute_s"[, "compute_cpu_s"]}: medians over the measured steps (the
-    last: of the ranks' summed schedule CPU seconds, where every step has them); None if the
-    system did not time its phases."""
+    """{"compute_s", "after_compute_s"[, "compute_cpu_s"][, "optimizer_cpu_s", "optimizer_s"]}:
+    medians over the measured steps (the last three: of the ranks' summed schedule CPU seconds,
+    optimizer CPU and wall seconds, where every step has them); None if the system did not time
+    its phases."""
     steps = [s for s in record.get("steps") or [] if not s.get("warmup") and s.get("rank_phase_s")]
     if not steps:
         return None
@@ -31,6 +34,9 @@ def measured_phases(record: dict) -> dict | None:
     out = {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
     if all(s.get("rank_compute_cpu_s") for s in steps):
         out["compute_cpu_s"] = statistics.median(sum(s["rank_compute_cpu_s"]) for s in steps)
+    if all(s.get("rank_optimizer_cpu_s") for s in steps):
+        out["optimizer_cpu_s"] = statistics.median(sum(s["rank_optimizer_cpu_s"]) for s in steps)
+        out["optimizer_s"] = statistics.median(sum(s["rank_phase_s"]["optimizer"]) for s in steps)
     return out
 
 
@@ -66,6 +72,9 @@ def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
             cpu = statistics.median(x["compute_cpu_s"] for x in measured)
             work = statistics.median(float(sim["metrics"]["compute_work_s"]) for _, sim in group)
             row["compute_cpu"] = {"measured": cpu, "work": work, "ratio": cpu / work if work > 0 else None}
+        if all("optimizer_cpu_s" in x for x in measured):
+            cpu, wall = (statistics.median(x[k] for x in measured) for k in ("optimizer_cpu_s", "optimizer_s"))
+            row["optimizer_cpu"] = {"cpu": cpu, "wall": wall, "ratio": cpu / wall if wall > 0 else None}
         rows.append(row)
     return rows
 
@@ -81,15 +90,18 @@ def markdown(rows: list[dict]) -> str:
              "over the repeats (bench/sim/phases.py). Schedule CPU = the ranks' CPU seconds in their "
              "schedules (training threads, summed over the ranks) over the simulated schedule's work "
              "(device-seconds, each operation priced alone): how much more CPU the work took side by side "
-             "(with TP > 1 the work includes the TP collectives' waits, so it reads low).", "",
+             "(with TP > 1 the work includes the TP collectives' waits, so it reads low). Optimizer CPU = the "
+             "ranks' CPU seconds in their optimizer steps over those steps' wall seconds (summed over the ranks): "
+             "under 1, a slow optimizer step waited for a core rather than worked longer.", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
-             "| after measured s | simulated s | error % | schedule CPU s / work s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
-        c, a, u = r["compute_s"], r["after_compute_s"], r.get("compute_cpu")
+        c, a, u, o = r["compute_s"], r["after_compute_s"], r.get("compute_cpu"), r.get("optimizer_cpu")
         cpu = (f"{u['measured']:.4g} / {u['work']:.4g} = {u['ratio']:.2f}" if u and u["ratio"] is not None
                else "")
+        opt = f"{o['cpu']:.4g} / {o['wall']:.4g} = {o['ratio']:.2f}" if o and o["ratio"] is not None else ""
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
                      f"{c['measured']:.4g} | {c['simulated']:.4g} | {c['error_pct']:+.1f} | "
-                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} | {cpu} |")
+                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} | {cpu} | {opt} |")
     return "\n".join(lines) + "\n"

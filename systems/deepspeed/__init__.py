@@ -214,9 +214,10 @@ class DeepSpeedSystem(SystemAdapter):
                     p.grad = torch.zeros_like(p)
         scheduled, compute_cpu = time.perf_counter(), time.thread_time() - cpu
         coalesce.__exit__(None, None, None)          # ZeRO-1/2/3: the step's coalesced gradient reduction
-        reduced = time.perf_counter()
+        reduced, cpu = time.perf_counter(), time.thread_time()
         if self.stage >= 1:
             engine.step()
+        optimizer_cpu = time.thread_time() - cpu
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed made {engine.global_steps} optimizer steps by the end of step {step}")
         if engine.skipped_steps:
@@ -227,7 +228,7 @@ class DeepSpeedSystem(SystemAdapter):
         if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop
             out.phase_s = {"compute": scheduled - start, "grad_sync": reduced - scheduled,
                            "optimizer": time.perf_counter() - reduced}
-            out.compute_cpu_s = compute_cpu
+            out.compute_cpu_s, out.optimizer_cpu_s = compute_cpu, optimizer_cpu
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
 

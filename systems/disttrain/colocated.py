@@ -146,7 +146,7 @@ class ColocatedRuntime:
             busy[name] += t1 - t0
             phases["grad_sync"] += t1 - t0
         # One norm for the whole model: the modules' optimizers step together.
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), time.thread_time()
         ok, grad_norm, spent, waited = mcore.step_by_model_norm([self.optimizers[n] for n in MODULES],
                                                                 [dist.get_rank() == 0] * len(MODULES),
                                                                 self.ctx.optim.clip_grad, self.ctx.device)
@@ -157,6 +157,6 @@ class ColocatedRuntime:
         phases["grad_sync"] += waited
         phases["optimizer"] += time.perf_counter() - t1 - waited
         out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
-                         grad_norm=grad_norm)
+                         optimizer_cpu_s=time.thread_time() - cpu, grad_norm=grad_norm)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out

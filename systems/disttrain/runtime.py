@@ -141,16 +141,16 @@ class PipelineRuntime:
         t0, compute_cpu = time.perf_counter(), time.thread_time() - cpu
         for model in self.models:
             model.finish_grad_sync()
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), time.thread_time()
         ok, grad_norm, _, waited = mcore.step_by_model_norm([self.optimizer], [self.owns_norm],
                                                             self.ctx.optim.clip_grad, self.ctx.device)
-        t2 = time.perf_counter()
+        t2, optimizer_cpu = time.perf_counter(), time.thread_time() - cpu
         busy += t2 - t0 - waited             # clipping: the wait for the other modules is idle, not work
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
         phases = {"compute": t0 - loaded, "grad_sync": t1 - t0 + waited, "optimizer": t2 - t1 - waited}
         out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
-                         grad_norm=grad_norm)
+                         optimizer_cpu_s=optimizer_cpu, grad_norm=grad_norm)
         if self.reports:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
         return out

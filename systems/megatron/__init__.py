@@ -131,12 +131,15 @@ class MegatronSystem(SystemAdapter):
             num_microbatches=len(microbatches), seq_length=self.ctx.workload.backbone.seq_length,
             micro_batch_size=microbatches[0].size, forward_only=False)
         scheduled, compute_cpu = time.perf_counter(), time.thread_time() - cpu - self.grad_sync_cpu_s
+        cpu = time.thread_time()
         ok, grad_norm, _ = self.optimizer.step()
+        optimizer_cpu = time.thread_time() - cpu
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
         phases = {"compute": scheduled - start - self.grad_sync_s, "grad_sync": self.grad_sync_s,
                   "optimizer": time.perf_counter() - scheduled}
-        out = StepOutput(grad_norm=grad_norm, phase_s=phases, compute_cpu_s=compute_cpu)
+        out = StepOutput(grad_norm=grad_norm, phase_s=phases, compute_cpu_s=compute_cpu,
+                         optimizer_cpu_s=optimizer_cpu)
         if self.reports_loss:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
