@@ -134,7 +134,8 @@ class StepOutput:
     # simulated schedule's work it says how much slower the ranks computed side by side; -1: not timed
     compute_cpu_s: float = -1.0
     # the same over the "optimizer" phase: against its wall seconds it says whether a slow
-    # optimizer step worked longer (memory, caches) or waited for a core; -1: not timed
+    # optimizer step worked longer (memory, caches) or was off the CPU: waiting for a core or for
+    # a collective (its peers, gloo's thread); -1: not timed
     optimizer_cpu_s: float = -1.0
 
 

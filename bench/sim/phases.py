@@ -12,7 +12,8 @@ priced alone) says how much more CPU the same work took with the ranks side by s
 slowdown the step actually met, to set beside the profile's (bench.profile.tp). With TP > 1 the
 simulated work includes the TP collectives' waits, which use no CPU: the ratio then reads low.
 Where they timed their optimizer step's CPU seconds too (`rank_optimizer_cpu_s`), those against
-its wall seconds say whether a slow optimizer step worked longer or waited for a core.
+its wall seconds say whether a slow optimizer step worked longer or was off the CPU (waiting for
+a core, or for a collective: its peers or gloo's thread).
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def markdown(rows: list[dict]) -> str:
              "(device-seconds, each operation priced alone): how much more CPU the work took side by side "
              "(with TP > 1 the work includes the TP collectives' waits, so it reads low). Optimizer CPU = the "
              "ranks' CPU seconds in their optimizer steps over those steps' wall seconds (summed over the ranks): "
-             "under 1, a slow optimizer step waited for a core rather than worked longer.", "",
+             "well under 1, the step was mostly off the CPU (waiting for a core, or for a collective: its peers "
+             "or gloo's thread) rather than working.", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
              "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
