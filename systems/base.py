@@ -130,13 +130,11 @@ class StepOutput:
     timeline: list[TimelineEvent] = field(default_factory=list)     # only if records_timeline
     # seconds of this rank's step in each of STEP_PHASES; empty if the system does not split its step
     phase_s: dict[str, float] = field(default_factory=dict)
-    # CPU seconds of the training thread over the "compute" phase (time.thread_time); against the
-    # simulated schedule's work it says how much slower the ranks computed side by side; -1: not timed
-    compute_cpu_s: float = -1.0
-    # the same over the "optimizer" phase: against its wall seconds it says whether a slow
-    # optimizer step worked longer (memory, caches) or was off the CPU: waiting for a core or for
-    # a collective (its peers, gloo's thread); -1: not timed
-    optimizer_cpu_s: float = -1.0
+    # the training thread's CPU seconds in each phase and its seconds waiting for a core
+    # (systems.clock.PhaseClock); the rest of a phase's wall seconds it slept, on a collective or
+    # a helper thread. Empty where not timed (the runqueue: where the kernel does not report it).
+    phase_cpu_s: dict[str, float] = field(default_factory=dict)
+    phase_runqueue_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,13 @@ make DDP actually reduce gradients (without them DP grads are silently not avera
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
 import torch
+
+from systems.clock import PhaseClock
 
 
 def use_cpu_if_needed(device: torch.device) -> None:
@@ -43,12 +46,13 @@ def build_optimizer(model_chunks, optim, dtype: torch.dtype, pg_collection=None)
     return get_megatron_optimizer(config, model_chunks, **kwargs)
 
 
-def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float,
-                       device) -> tuple[bool, float | None, list[float], float]:
+def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float, device,
+                       clock: PhaseClock | None = None) -> tuple[bool, float | None, list[float], float]:
     """Step one megatron-core optimizer per module (this rank's) with one gradient norm for the
     whole model, as a single optimizer over all modules would: (stepped, that norm before
     clipping, each optimizer's own seconds, the seconds in the shared all-reduce: mostly waiting
-    for the other modules' backwards, which is not this rank's work).
+    for the other modules' backwards, which is not this rank's work; a `clock` books it as
+    grad_sync).
 
     Each optimizer's norm covers its module's ranks (megatron's grad_stats_parallel_group);
     the rank that `owns_norm` of a module adds its square to one all-reduce over the world, so
@@ -85,9 +89,10 @@ def step_by_model_norm(optimizers: list, owns_norm: list[bool], clip_grad: float
         return not found_inf and all(each(lambda opt: opt.step_with_ready_grads())), None, spent, 0.0
     norms = each(lambda opt: opt.get_grad_norm() or 0.0)
     t0 = time.perf_counter()
-    stats = torch.tensor([sum(n * n for n, owns in zip(norms, owns_norm) if owns), float(found_inf)],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(stats)
+    with clock.phase("grad_sync") if clock else contextlib.nullcontext():
+        stats = torch.tensor([sum(n * n for n, owns in zip(norms, owns_norm) if owns), float(found_inf)],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(stats)
     waited = time.perf_counter() - t0
     if stats[1].item() > 0:
         return False, float("nan"), spent, waited

@@ -54,14 +54,16 @@ def assert_parity(record: dict, reference: dict, rel: float = 1e-4) -> None:
 # opening barrier apart on a busy CPU: a disttrain rank's phases summed to 26 ms (9%) more than the
 # latency (tiny, 4 processes on 2 cores), more under load. A phase counted twice would be ~2x.
 SKEW_RATIO, SKEW_S = 1.2, 0.05
+# a phase's three clocks are read one after another: a few microseconds apart, never milliseconds
+CLOCK_S = 0.002
 
 
 def assert_step_phases(record: dict, nproc: int) -> None:
     """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
     took time, together no longer than the step (up to the ranks' skew) and, for the slowest
-    rank, most of it in the median step; and timed its schedule's and its optimizer step's CPU
-    seconds: some, and no more than one thread can spend in their wall seconds (the optimizer's
-    with the gradient sync's: a clipped DistTrain step counts its wait for the norm there)."""
+    rank, most of it in the median step; and timed each phase's CPU and runqueue seconds
+    (systems.clock): some CPU in the schedule and the optimizer step, and in every phase no more
+    CPU + runqueue than one thread can spend in its wall seconds."""
     covered = []
     for s in record["steps"]:
         ph = s["rank_phase_s"]
@@ -70,10 +72,11 @@ def assert_step_phases(record: dict, nproc: int) -> None:
         sums = [sum(ph[k][r] for k in ph) for r in range(nproc)]
         assert max(sums) <= SKEW_RATIO * s["latency_s"] + SKEW_S, (sums, s["latency_s"])
         covered.append(max(sums) / s["latency_s"])
-        cpu = s["rank_compute_cpu_s"]
-        assert len(cpu) == nproc and all(0 < c <= w + 0.01 for c, w in zip(cpu, ph["compute"])), (cpu, ph["compute"])
-        opt, walls = s["rank_optimizer_cpu_s"], [o + g for o, g in zip(ph["optimizer"], ph["grad_sync"])]
-        assert len(opt) == nproc and all(0 < c <= w + 0.01 for c, w in zip(opt, walls)), (opt, walls)
+        cpu, queued = s["rank_phase_cpu_s"], s["rank_phase_runqueue_s"]
+        assert min(cpu["compute"]) > 0 and min(cpu["optimizer"]) > 0, cpu
+        for p in ph:
+            assert len(cpu[p]) == len(queued[p]) == nproc and min(queued[p]) >= 0, (p, queued)
+            assert all(c + q <= w + CLOCK_S for c, q, w in zip(cpu[p], queued[p], ph[p])), (p, cpu, queued, ph)
     # Most of the step, in the median step: a phase left untimed shows in every step, while one
     # step can stall outside the phases (a DeepSpeed ZeRO-3 step on tiny once read 0.10 s of
     # phases in a 0.47 s step, where the others cover ~90%).

@@ -246,24 +246,35 @@ def test_phase_rows_set_the_ranks_cpu_against_the_simulated_work_and_the_optimiz
     from bench.sim.phases import markdown as phase_markdown, measured_phases, phase_rows
     from bench.sim.validate import by_configuration
     rec = measured_record("megatron", 2, {}, 1.0)
-    for s, cpu, opt in zip(rec["steps"], [(0.5, 0.6), (0.7, 0.6), (0.4, 0.5)],      # sums 1.1, 1.3, 0.9
-                           [(0.02, 0.03), (0.04, 0.04), (0.01, 0.02)]):          # sums 0.05, 0.08, 0.03
+    for s, cpu, opt, queued in zip(rec["steps"], [(0.5, 0.6), (0.7, 0.6), (0.4, 0.5)],      # sums 1.1, 1.3, 0.9
+                                   [(0.02, 0.03), (0.04, 0.04), (0.01, 0.02)],         # sums 0.05, 0.08, 0.03
+                                   [(0.01, 0.0), (0.02, 0.0), (0.0, 0.0)]):            # sums 0.01, 0.02, 0
         s["rank_phase_s"] = {"compute": [0.6, 0.7], "grad_sync": [0.1, 0.1], "optimizer": [0.05, 0.05]}
-        s["rank_compute_cpu_s"], s["rank_optimizer_cpu_s"] = list(cpu), list(opt)
+        s["rank_phase_cpu_s"] = {"compute": list(cpu), "grad_sync": [0.0, 0.0], "optimizer": list(opt)}
+        s["rank_phase_runqueue_s"] = {"compute": [0.0, 0.0], "grad_sync": [0.0, 0.0], "optimizer": list(queued)}
     # medians of the ranks' sums
     assert measured_phases(rec) == pytest.approx({"compute_s": 0.7, "after_compute_s": 0.3, "compute_cpu_s": 1.1,
-                                                  "optimizer_cpu_s": 0.05, "optimizer_s": 0.1})
+                                                  "optimizer_cpu_s": 0.05, "optimizer_s": 0.1,
+                                                  "optimizer_runqueue_s": 0.01})
     rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
                                                            "compute_work_s": 1.0}})]))
     assert rows[0]["compute_cpu"] == pytest.approx({"measured": 1.1, "work": 1.0, "ratio": 1.1})
-    assert rows[0]["optimizer_cpu"] == pytest.approx({"cpu": 0.05, "wall": 0.1, "ratio": 0.5})
-    assert "| 1.1 / 1 = 1.10 | 0.05 / 0.1 = 0.50 |" in phase_markdown(rows)
+    # of the optimizer's 0.1 s wall: 0.05 on the CPU, 0.01 waiting for a core, 0.04 asleep
+    assert rows[0]["optimizer_cpu"] == pytest.approx({"cpu": 0.05, "wall": 0.1, "ratio": 0.5,
+                                                      "runqueue": 0.01, "slept": 0.04})
+    assert "| 1.1 / 1 = 1.10 | 0.05 / 0.1 = 0.50 | 0.01, 0.04 |" in phase_markdown(rows)
+    # a kernel that does not give the runqueue: CPU and wall only
+    for s in rec["steps"]:
+        del s["rank_phase_runqueue_s"]
+    rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
+                                                           "compute_work_s": 1.0}})]))
+    assert rows[0]["optimizer_cpu"]["runqueue"] is None and "| 0.05 / 0.1 = 0.50 |  |" in phase_markdown(rows)
     # a step without the ranks' CPU seconds: none for the record, empty cells
-    del rec["steps"][1]["rank_compute_cpu_s"], rec["steps"][1]["rank_optimizer_cpu_s"]
+    del rec["steps"][1]["rank_phase_cpu_s"]
     assert not {"compute_cpu_s", "optimizer_cpu_s", "optimizer_s"} & set(measured_phases(rec))
     rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
                                                            "compute_work_s": 1.0}})]))
-    assert not {"compute_cpu", "optimizer_cpu"} & set(rows[0]) and phase_markdown(rows).rstrip().endswith("|  |  |")
+    assert not {"compute_cpu", "optimizer_cpu"} & set(rows[0]) and phase_markdown(rows).rstrip().endswith("|  |  |  |")
 
 
 def test_noise_is_the_medians_own_scatter_over_resamples_of_the_repeats():

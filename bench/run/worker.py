@@ -30,6 +30,9 @@ from systems.base import STEP_PHASES, TIMELINE_KINDS, Layout, TrainContext, get_
 from workloads.presets import Workload, get_workload
 from workloads.presets import MODULES
 
+# StepOutput's per-phase times (phase_s, phase_cpu_s, phase_runqueue_s), recorded per step as
+# rank_phase_s, rank_phase_cpu_s and rank_phase_runqueue_s: {phase: [seconds per rank]}
+PHASE_TIMES = ("phase", "phase_cpu", "phase_runqueue")
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -132,8 +135,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             "data_wait": source.wait_s - wait_before, "loss_sum": result.loss_sum, "grad_norm": grad_norm,
             "cpu": sched[0], "runqueue": sched[1], "helper_runqueue": sched[2],
             "gc_s": gc_step[0], "gc_full": gc_step[1], "sys": kernel[0], "faults": kernel[1],
-            **{f"phase.{p}": result.phase_s.get(p, -1.0) for p in STEP_PHASES},
-            "compute_cpu": result.compute_cpu_s, "optimizer_cpu": result.optimizer_cpu_s}, world, device)
+            **{f"{key}.{p}": getattr(result, f"{key}_s").get(p, -1.0)
+               for key in PHASE_TIMES for p in STEP_PHASES}}, world, device)
         if rank == 0:
             entry = {
                 "step": step, "warmup": step < cfg.warmup, "latency_s": latency,
@@ -155,13 +158,11 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             # seconds in the kernel and minor page faults (bench.run.machine.kernel_time)
             entry["rank_sys_s"] = [r["sys"] for r in per_rank]
             entry["rank_minor_faults"] = [int(r["faults"]) for r in per_rank]
-            if all(r[f"phase.{p}"] >= 0 for r in per_rank for p in STEP_PHASES):
-                # the system's own split of each rank's step (systems.base.STEP_PHASES), -1: not reported
-                entry["rank_phase_s"] = {p: [r[f"phase.{p}"] for r in per_rank] for p in STEP_PHASES}
-            if all(r["compute_cpu"] >= 0 for r in per_rank):
-                entry["rank_compute_cpu_s"] = [r["compute_cpu"] for r in per_rank]      # StepOutput.compute_cpu_s
-            if all(r["optimizer_cpu"] >= 0 for r in per_rank):
-                entry["rank_optimizer_cpu_s"] = [r["optimizer_cpu"] for r in per_rank]  # StepOutput.optimizer_cpu_s
+            for key in PHASE_TIMES:
+                # the system's own split of each rank's step (systems.base.STEP_PHASES): wall, and
+                # the training thread's CPU and runqueue seconds (systems.clock); -1: not reported
+                if all(r[f"{key}.{p}"] >= 0 for r in per_rank for p in STEP_PHASES):
+                    entry[f"rank_{key}_s"] = {p: [r[f"{key}.{p}"] for r in per_rank] for p in STEP_PHASES}
             norms = [r["grad_norm"] for r in per_rank if r["grad_norm"] >= 0]
             if norms:
                 entry["grad_norm"] = max(norms)

@@ -6,14 +6,15 @@ schedule up to the gradient reduction, the slowest rank's (the step waits for it
 simulated schedule to the pipeline flush; after = the rest of the step, from the last rank's end
 of its schedule (its data wait + compute) to the step's end: gradient reduction, optimizer step,
 parameter all-gather, the harness's barriers; against the simulated gradient sync, optimizer
-and host time. Where the ranks also timed their schedule's CPU seconds (`rank_compute_cpu_s`),
+and host time. Where the ranks also timed their schedule's CPU seconds (`rank_phase_cpu_s`),
 their sum over the ranks against the simulated schedule's work (device-seconds, each operation
 priced alone) says how much more CPU the same work took with the ranks side by side: the co-run
 slowdown the step actually met, to set beside the profile's (bench.profile.tp). With TP > 1 the
 simulated work includes the TP collectives' waits, which use no CPU: the ratio then reads low.
-Where they timed their optimizer step's CPU seconds too (`rank_optimizer_cpu_s`), those against
-its wall seconds say whether a slow optimizer step worked longer or was off the CPU (waiting for
-a core, or for a collective: its peers or gloo's thread).
+Their optimizer steps' CPU seconds against its wall seconds say whether a slow optimizer step
+worked longer or was off the CPU; where the kernel also gave the seconds the training thread
+waited for a core (`rank_phase_runqueue_s`, systems.clock), the rest it slept: on a collective's
+peers or gloo's I/O thread.
 """
 from __future__ import annotations
 
@@ -23,21 +24,22 @@ from bench.records import record_variant
 
 
 def measured_phases(record: dict) -> dict | None:
-    """{"compute_s", "after_compute_s"[, "compute_cpu_s"][, "optimizer_cpu_s", "optimizer_s"]}:
-    medians over the measured steps (the last three: of the ranks' summed schedule CPU seconds,
-    optimizer CPU and wall seconds, where every step has them); None if the system did not time
-    its phases."""
+    """{"compute_s", "after_compute_s"[, "compute_cpu_s", "optimizer_cpu_s", "optimizer_s"]
+    [, "optimizer_runqueue_s"]}: medians over the measured steps (the others: of the ranks' summed
+    schedule CPU seconds, optimizer CPU, wall and runqueue seconds, where every step has them);
+    None if the system did not time its phases."""
     steps = [s for s in record.get("steps") or [] if not s.get("warmup") and s.get("rank_phase_s")]
     if not steps:
         return None
     compute = [max(s["rank_phase_s"]["compute"]) for s in steps]
     after = [s["latency_s"] - _schedules_end(s) for s in steps]
     out = {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
-    if all(s.get("rank_compute_cpu_s") for s in steps):
-        out["compute_cpu_s"] = statistics.median(sum(s["rank_compute_cpu_s"]) for s in steps)
-    if all(s.get("rank_optimizer_cpu_s") for s in steps):
-        out["optimizer_cpu_s"] = statistics.median(sum(s["rank_optimizer_cpu_s"]) for s in steps)
+    if all(s.get("rank_phase_cpu_s") for s in steps):
+        out["compute_cpu_s"] = statistics.median(sum(s["rank_phase_cpu_s"]["compute"]) for s in steps)
+        out["optimizer_cpu_s"] = statistics.median(sum(s["rank_phase_cpu_s"]["optimizer"]) for s in steps)
         out["optimizer_s"] = statistics.median(sum(s["rank_phase_s"]["optimizer"]) for s in steps)
+    if all(s.get("rank_phase_runqueue_s") for s in steps):
+        out["optimizer_runqueue_s"] = statistics.median(sum(s["rank_phase_runqueue_s"]["optimizer"]) for s in steps)
     return out
 
 
@@ -75,7 +77,11 @@ def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
             row["compute_cpu"] = {"measured": cpu, "work": work, "ratio": cpu / work if work > 0 else None}
         if all("optimizer_cpu_s" in x for x in measured):
             cpu, wall = (statistics.median(x[k] for x in measured) for k in ("optimizer_cpu_s", "optimizer_s"))
-            row["optimizer_cpu"] = {"cpu": cpu, "wall": wall, "ratio": cpu / wall if wall > 0 else None}
+            row["optimizer_cpu"] = {"cpu": cpu, "wall": wall, "ratio": cpu / wall if wall > 0 else None,
+                                    "runqueue": None, "slept": None}
+            if all("optimizer_runqueue_s" in x for x in measured):
+                queued = statistics.median(x["optimizer_runqueue_s"] for x in measured)
+                row["optimizer_cpu"].update(runqueue=queued, slept=max(0.0, wall - cpu - queued))
         rows.append(row)
     return rows
 
@@ -93,17 +99,19 @@ def markdown(rows: list[dict]) -> str:
              "(device-seconds, each operation priced alone): how much more CPU the work took side by side "
              "(with TP > 1 the work includes the TP collectives' waits, so it reads low). Optimizer CPU = the "
              "ranks' CPU seconds in their optimizer steps over those steps' wall seconds (summed over the ranks): "
-             "well under 1, the step was mostly off the CPU (waiting for a core, or for a collective: its peers "
-             "or gloo's thread) rather than working.", "",
+             "well under 1, the step was mostly off the CPU rather than working; of the rest, the training "
+             "threads waited for a core (runqueue, where the kernel says) or slept: on a collective's peers or "
+             "gloo's I/O thread.", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
-             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s | optimizer runqueue s, slept s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         c, a, u, o = r["compute_s"], r["after_compute_s"], r.get("compute_cpu"), r.get("optimizer_cpu")
         cpu = (f"{u['measured']:.4g} / {u['work']:.4g} = {u['ratio']:.2f}" if u and u["ratio"] is not None
                else "")
         opt = f"{o['cpu']:.4g} / {o['wall']:.4g} = {o['ratio']:.2f}" if o and o["ratio"] is not None else ""
+        off = f"{o['runqueue']:.4g}, {o['slept']:.4g}" if o and o["runqueue"] is not None else ""
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
                      f"{c['measured']:.4g} | {c['simulated']:.4g} | {c['error_pct']:+.1f} | "
-                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} | {cpu} | {opt} |")
+                     f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} | {cpu} | {opt} | {off} |")
     return "\n".join(lines) + "\n"

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 
 import torch
 
 from systems.base import MODULES, ConfigError, Layout, StepOutput, SystemAdapter, attention_option, register
+from systems.clock import PhaseClock
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed's own default: ZeRO-3 keeps parameters up to this many elements unpartitioned.
@@ -197,27 +197,27 @@ class DeepSpeedSystem(SystemAdapter):
         # Entered by hand: leaving it reduces (collectives), which must not run on a rank whose
         # microbatch loop raised, or the run would hang until its timeout instead of failing.
         coalesce.__enter__()
-        start, cpu = time.perf_counter(), time.thread_time()
-        for mb in microbatches:
-            lm, gen = engine(mb)
-            per_sample = lm + gen
-            sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
-            # DeepSpeed divides by the accumulation steps and averages gradients over DP.
-            engine.backward(per_sample.mean())
-            if self.stage == 0:
-                engine.step()   # ZeRO-0 steps the optimizer at the accumulation boundary only
-        if self.stage in (1, 2):
-            # Same parameters on every rank in the reduction; ZeRO-0 zero-fills by itself and
-            # ZeRO-3's anchors give every parameter a gradient.
-            for p in engine.module.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        scheduled, compute_cpu = time.perf_counter(), time.thread_time() - cpu
-        coalesce.__exit__(None, None, None)          # ZeRO-1/2/3: the step's coalesced gradient reduction
-        reduced, cpu = time.perf_counter(), time.thread_time()
-        if self.stage >= 1:
-            engine.step()
-        optimizer_cpu = time.thread_time() - cpu
+        clock = PhaseClock()
+        with clock.phase("compute"):
+            for mb in microbatches:
+                lm, gen = engine(mb)
+                per_sample = lm + gen
+                sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
+                # DeepSpeed divides by the accumulation steps and averages gradients over DP.
+                engine.backward(per_sample.mean())
+                if self.stage == 0:
+                    engine.step()   # ZeRO-0 steps the optimizer at the accumulation boundary only
+            if self.stage in (1, 2):
+                # Same parameters on every rank in the reduction; ZeRO-0 zero-fills by itself and
+                # ZeRO-3's anchors give every parameter a gradient.
+                for p in engine.module.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+        with clock.phase("grad_sync"):
+            coalesce.__exit__(None, None, None)      # ZeRO-1/2/3: the step's coalesced gradient reduction
+        with clock.phase("optimizer"):
+            if self.stage >= 1:
+                engine.step()
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed made {engine.global_steps} optimizer steps by the end of step {step}")
         if engine.skipped_steps:
@@ -225,10 +225,8 @@ class DeepSpeedSystem(SystemAdapter):
         # Every rank is a replica that trained on its own samples: each reports those.
         norm = engine.get_global_grad_norm()         # before clipping; None where DeepSpeed skips it
         out = StepOutput(grad_norm=None if norm is None else float(norm))
-        if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop
-            out.phase_s = {"compute": scheduled - start, "grad_sync": reduced - scheduled,
-                           "optimizer": time.perf_counter() - reduced}
-            out.compute_cpu_s, out.optimizer_cpu_s = compute_cpu, optimizer_cpu
+        if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop: no phases
+            clock.fill(out)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
 

@@ -21,6 +21,7 @@ from systems.mcore import build_module
 from systems.disttrain.plan import MODULES, layout_entry, same_layout
 from systems.disttrain.grids import build_grid
 from systems.base import StepOutput
+from systems.clock import PhaseClock
 
 
 def _rows_of(full_parts: list[torch.Tensor], dp: int, tp_x_pp: int) -> torch.Tensor:
@@ -102,61 +103,61 @@ class ColocatedRuntime:
         asks = {n: (self.dp_rank[n], self.plan.modules[n].dp, self.rows[n]) for n in MODULES}
         loads = {a: self.ctx.data.microbatches(step, *a) for a in dict.fromkeys(asks.values())}
         data = {n: loads[asks[n]] for n in MODULES}
-        loaded, cpu = time.perf_counter(), time.thread_time()   # the schedule's phase starts here: data wait is its own
+        clock = PhaseClock()                  # from here: data wait is its own, outside the phases
         sums = torch.zeros(3, dtype=torch.float64)
-        for name in MODULES:
-            self.models[name].zero_grad_buffer()
-            self.optimizers[name].zero_grad()
-        enc, llm, gen = (self.modules[n] for n in MODULES)
-        for m in range(self.num_microbatches):
-            t0 = time.perf_counter()
-            canvas_out = self._regroup(enc(data["encoder"][m]), "encoder", "backbone")
-            canvas_in = canvas_out.detach().requires_grad_()
-            mark("encoder", "fwd", t0)
-            t0 = time.perf_counter()
-            lm, cond = llm(data["backbone"][m], canvas_in)
-            cond_out = self._regroup(cond, "backbone", "generator")
-            cond_in = cond_out.detach().requires_grad_()
-            mark("backbone", "fwd", t0)
-            t0 = time.perf_counter()
-            g = gen(data["generator"][m], cond_in)
-            mark("generator", "fwd", t0)
-            t0 = time.perf_counter()
-            if g.requires_grad:
-                (g.sum() * self.scale["generator"]).backward()
-            cond_grad = cond_in.grad if cond_in.grad is not None else torch.zeros_like(cond_in)
-            mark("generator", "bwd", t0)
-            t0 = time.perf_counter()
-            torch.autograd.backward([lm.sum() * self.scale["backbone"], cond_out], [None, cond_grad])
-            mark("backbone", "bwd", t0)
-            t0 = time.perf_counter()
-            canvas_grad = canvas_in.grad if canvas_in.grad is not None else torch.zeros_like(canvas_in)
-            torch.autograd.backward([canvas_out], [canvas_grad])
-            mark("encoder", "bwd", t0)
-            if self.pg["backbone"].tp.rank() == 0:
-                sums += torch.tensor([lm.sum().item(), lm.sum().item(), 0.0], dtype=torch.float64)
-            if self.pg["generator"].tp.rank() == 0:
-                sums += torch.tensor([g.sum().item(), 0.0, g.sum().item()], dtype=torch.float64)
-        phases = {"compute": time.perf_counter() - loaded, "grad_sync": 0.0, "optimizer": 0.0}
-        compute_cpu = time.thread_time() - cpu
+        with clock.phase("compute"):
+            for name in MODULES:
+                self.models[name].zero_grad_buffer()
+                self.optimizers[name].zero_grad()
+            for m in range(self.num_microbatches):
+                self._forward_backward({n: data[n][m] for n in MODULES}, mark, sums)
         for name in MODULES:
             t0 = time.perf_counter()
-            self.models[name].finish_grad_sync()
-            t1 = time.perf_counter()
-            busy[name] += t1 - t0
-            phases["grad_sync"] += t1 - t0
+            with clock.phase("grad_sync"):
+                self.models[name].finish_grad_sync()
+            busy[name] += time.perf_counter() - t0
         # One norm for the whole model: the modules' optimizers step together.
-        t1, cpu = time.perf_counter(), time.thread_time()
-        ok, grad_norm, spent, waited = mcore.step_by_model_norm([self.optimizers[n] for n in MODULES],
-                                                                [dist.get_rank() == 0] * len(MODULES),
-                                                                self.ctx.optim.clip_grad, self.ctx.device)
+        with clock.phase("optimizer"):
+            ok, grad_norm, spent, _ = mcore.step_by_model_norm([self.optimizers[n] for n in MODULES],
+                                                               [dist.get_rank() == 0] * len(MODULES),
+                                                               self.ctx.optim.clip_grad, self.ctx.device, clock)
         if not ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
         for name, seconds in zip(MODULES, spent):
             busy[name] += seconds
-        phases["grad_sync"] += waited
-        phases["optimizer"] += time.perf_counter() - t1 - waited
-        out = StepOutput(module_busy_s=busy, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
-                         optimizer_cpu_s=time.thread_time() - cpu, grad_norm=grad_norm)
+        out = clock.fill(StepOutput(module_busy_s=busy, timeline=events, grad_norm=grad_norm))
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
+
+    def _forward_backward(self, mb: dict, mark, sums: torch.Tensor) -> None:
+        """One microbatch (each module's share, `mb`) through encoder, backbone and generator and
+        back; mark(module, kind, t0) times each pass, `sums` gathers the loss sums."""
+        enc, llm, gen = (self.modules[n] for n in MODULES)
+        t0 = time.perf_counter()
+        canvas_out = self._regroup(enc(mb["encoder"]), "encoder", "backbone")
+        canvas_in = canvas_out.detach().requires_grad_()
+        mark("encoder", "fwd", t0)
+        t0 = time.perf_counter()
+        lm, cond = llm(mb["backbone"], canvas_in)
+        cond_out = self._regroup(cond, "backbone", "generator")
+        cond_in = cond_out.detach().requires_grad_()
+        mark("backbone", "fwd", t0)
+        t0 = time.perf_counter()
+        g = gen(mb["generator"], cond_in)
+        mark("generator", "fwd", t0)
+        t0 = time.perf_counter()
+        if g.requires_grad:
+            (g.sum() * self.scale["generator"]).backward()
+        cond_grad = cond_in.grad if cond_in.grad is not None else torch.zeros_like(cond_in)
+        mark("generator", "bwd", t0)
+        t0 = time.perf_counter()
+        torch.autograd.backward([lm.sum() * self.scale["backbone"], cond_out], [None, cond_grad])
+        mark("backbone", "bwd", t0)
+        t0 = time.perf_counter()
+        canvas_grad = canvas_in.grad if canvas_in.grad is not None else torch.zeros_like(canvas_in)
+        torch.autograd.backward([canvas_out], [canvas_grad])
+        mark("encoder", "bwd", t0)
+        if self.pg["backbone"].tp.rank() == 0:
+            sums += torch.tensor([lm.sum().item(), lm.sum().item(), 0.0], dtype=torch.float64)
+        if self.pg["generator"].tp.rank() == 0:
+            sums += torch.tensor([g.sum().item(), 0.0, g.sum().item()], dtype=torch.float64)

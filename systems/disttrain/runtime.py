@@ -21,6 +21,7 @@ from systems.mcore import build_module
 from systems.disttrain.plan import MODULES
 from systems.disttrain.grids import build_grid
 from systems.base import StepOutput
+from systems.clock import PhaseClock
 
 TOPOLOGY = {"encoder": ["backbone"], "backbone": ["generator"], "generator": []}
 
@@ -122,11 +123,8 @@ class PipelineRuntime:
         start = time.perf_counter()
         events, busy = [], 0.0
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.mp.dp, self.rows)
-        loaded, cpu = time.perf_counter(), time.thread_time()   # the schedule's phase starts here: data wait is its own
+        clock = PhaseClock()                  # from here: data wait is its own, outside the phases
         self.sums = torch.zeros(3, dtype=torch.float64)
-        for model in self.models:
-            model.zero_grad_buffer()
-        self.optimizer.zero_grad()
 
         def timed(kind, fn, *args):
             nonlocal busy
@@ -137,20 +135,22 @@ class PipelineRuntime:
             events.append({"module": self.name, "kind": kind, "start_s": t0 - start, "end_s": t1 - start})
             return result
 
-        self._schedule(microbatches, timed)
-        t0, compute_cpu = time.perf_counter(), time.thread_time() - cpu
-        for model in self.models:
-            model.finish_grad_sync()
-        t1, cpu = time.perf_counter(), time.thread_time()
-        ok, grad_norm, _, waited = mcore.step_by_model_norm([self.optimizer], [self.owns_norm],
-                                                            self.ctx.optim.clip_grad, self.ctx.device)
-        t2, optimizer_cpu = time.perf_counter(), time.thread_time() - cpu
-        busy += t2 - t0 - waited             # clipping: the wait for the other modules is idle, not work
+        with clock.phase("compute"):
+            for model in self.models:
+                model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self._schedule(microbatches, timed)
+        with clock.phase("grad_sync"):
+            for model in self.models:
+                model.finish_grad_sync()
+        with clock.phase("optimizer"):
+            ok, grad_norm, _, waited = mcore.step_by_model_norm([self.optimizer], [self.owns_norm],
+                                                                self.ctx.optim.clip_grad, self.ctx.device, clock)
+        # clipping: the wait for the other modules (booked as grad_sync) is idle, not work
+        busy += clock.wall_s["grad_sync"] + clock.wall_s["optimizer"] - waited
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step was skipped (non-finite gradients)")
-        phases = {"compute": t0 - loaded, "grad_sync": t1 - t0 + waited, "optimizer": t2 - t1 - waited}
-        out = StepOutput(module_busy_s={self.name: busy}, timeline=events, phase_s=phases, compute_cpu_s=compute_cpu,
-                         optimizer_cpu_s=optimizer_cpu, grad_norm=grad_norm)
+        out = clock.fill(StepOutput(module_busy_s={self.name: busy}, timeline=events, grad_norm=grad_norm))
         if self.reports:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = self.sums.tolist()
         return out

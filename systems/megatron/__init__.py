@@ -8,12 +8,12 @@ sequence parallelism, virtual stages and communication overlap are options (layo
 """
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
 
 from systems.base import Layout, StepOutput, SystemAdapter, register
+from systems.clock import PhaseClock
 from systems.megatron.layout import OPTIONS, monolithic_layout, options_from_label
 
 
@@ -85,17 +85,13 @@ class MegatronSystem(SystemAdapter):
             mcore.check_one_bucket(self.chunks)
         self.optimizer = mcore.build_optimizer(self.chunks, ctx.optim, ctx.dtype)
         mcore.attach_grad_hooks(self.config, self.chunks, overlap=self.overlap)
-        self.grad_sync_s = self.grad_sync_cpu_s = 0.0
+        self.clock = PhaseClock()
         finalize = self.config.finalize_model_grads_func
 
         def timed_finalize(*args, **kwargs):
             # the schedule calls it once, after the last backward: the step's DP gradient reduction
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
+            with self.clock.phase("grad_sync"):
                 return finalize(*args, **kwargs)
-            finally:
-                self.grad_sync_s += time.perf_counter() - start
-                self.grad_sync_cpu_s += time.thread_time() - cpu
         self.config.finalize_model_grads_func = timed_finalize     # the schedule reads chunk 0's config
         # Only one replica of each sample reports its loss: TP rank 0 of the last stage.
         self.reports_loss = (ps.is_pipeline_last_stage(ignore_virtual=True) and tp_rank == 0
@@ -124,22 +120,17 @@ class MegatronSystem(SystemAdapter):
         self.optimizer.zero_grad()
         # Every chunk reads every microbatch (inner chunks need its shape); one iterator each.
         data = [iter(microbatches) for _ in self.chunks]
-        self.grad_sync_s = self.grad_sync_cpu_s = 0.0
-        start, cpu = time.perf_counter(), time.thread_time()
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0], model=self.chunks,
-            num_microbatches=len(microbatches), seq_length=self.ctx.workload.backbone.seq_length,
-            micro_batch_size=microbatches[0].size, forward_only=False)
-        scheduled, compute_cpu = time.perf_counter(), time.thread_time() - cpu - self.grad_sync_cpu_s
-        cpu = time.thread_time()
-        ok, grad_norm, _ = self.optimizer.step()
-        optimizer_cpu = time.thread_time() - cpu
+        self.clock = PhaseClock()
+        with self.clock.phase("compute"):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0], model=self.chunks,
+                num_microbatches=len(microbatches), seq_length=self.ctx.workload.backbone.seq_length,
+                micro_batch_size=microbatches[0].size, forward_only=False)
+        with self.clock.phase("optimizer"):
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
-        phases = {"compute": scheduled - start - self.grad_sync_s, "grad_sync": self.grad_sync_s,
-                  "optimizer": time.perf_counter() - scheduled}
-        out = StepOutput(grad_norm=grad_norm, phase_s=phases, compute_cpu_s=compute_cpu,
-                         optimizer_cpu_s=optimizer_cpu)
+        out = self.clock.fill(StepOutput(grad_norm=grad_norm))
         if self.reports_loss:
             out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out

@@ -1,0 +1,77 @@
+"""The phase clock: where a rank's training step went, phase by phase (systems.base.STEP_PHASES).
+
+Each phase gets three numbers for the training thread: wall seconds, CPU seconds
+(`time.thread_time`) and seconds it was runnable but waiting for a core (the kernel's
+/proc/thread-self/schedstat). What is left, wall - CPU - runqueue, it slept: on a collective's
+peers, on gloo's I/O thread (itself perhaps waiting for a core), a lock or I/O. That split is
+what tells a slow optimizer step that worked longer (memory, caches) from one that waited.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from systems.base import STEP_PHASES, StepOutput
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def _runqueue_s() -> float | None:
+    """Seconds the calling thread has waited for a core since it started; None where the kernel
+    does not say (not Linux, or schedstats off)."""
+    try:
+        with open(_SCHEDSTAT) as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return int(fields[1]) / 1e9 if len(fields) >= 2 else None
+
+
+class PhaseClock:
+    """Times one step's phases on the calling (training) thread.
+
+    `with clock.phase("compute"): ...` books the block to that phase. A phase entered inside
+    another pauses the outer one: Megatron's gradient reduction runs inside its schedule, and a
+    clipped optimizer step's wait in the norm all-reduce is the other modules' backward, not
+    optimizer work, so both are booked as grad_sync where they happen.
+    """
+
+    def __init__(self) -> None:
+        self.wall_s = dict.fromkeys(STEP_PHASES, 0.0)
+        self.cpu_s = dict.fromkeys(STEP_PHASES, 0.0)
+        self.runqueue_s: dict[str, float] | None = dict.fromkeys(STEP_PHASES, 0.0)
+        self._active: str | None = None
+        self._mark = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float | None]:
+        return time.perf_counter(), time.thread_time(), _runqueue_s()
+
+    def _switch(self, phase: str | None) -> None:
+        now = self._read()
+        if self._active is not None:
+            (w0, c0, r0), (w1, c1, r1) = self._mark, now
+            self.wall_s[self._active] += w1 - w0
+            self.cpu_s[self._active] += c1 - c0
+            if self.runqueue_s is not None and r0 is not None and r1 is not None:
+                self.runqueue_s[self._active] += r1 - r0
+            else:
+                self.runqueue_s = None
+        self._active, self._mark = phase, now
+
+    @contextmanager
+    def phase(self, name: str):
+        if name not in STEP_PHASES:
+            raise ValueError(f"unknown step phase {name!r}: expected one of {', '.join(STEP_PHASES)}")
+        outer = self._active
+        self._switch(name)
+        try:
+            yield
+        finally:
+            self._switch(outer)
+
+    def fill(self, out: StepOutput) -> StepOutput:
+        """Hand the phases to the step's output (StepOutput.phase_s, phase_cpu_s, phase_runqueue_s)."""
+        out.phase_s, out.phase_cpu_s = dict(self.wall_s), dict(self.cpu_s)
+        out.phase_runqueue_s = dict(self.runqueue_s) if self.runqueue_s is not None else {}
+        return out

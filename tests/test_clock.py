@@ -1,0 +1,49 @@
+"""The phase clock (systems.clock): what a rank's step phases record, without processes."""
+import time
+
+import pytest
+
+from systems.base import StepOutput
+from systems.clock import PhaseClock, _runqueue_s
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_phase_inside_another_pauses_it_and_sleep_is_wall_without_cpu():
+    clock = PhaseClock()
+    with clock.phase("compute"):
+        _spin(0.02)
+        with clock.phase("grad_sync"):           # Megatron's reduction inside its schedule
+            time.sleep(0.05)
+        _spin(0.02)
+    with clock.phase("optimizer"):
+        _spin(0.01)
+    wall, cpu = clock.wall_s, clock.cpu_s
+    assert cpu["compute"] >= 0.04 and cpu["optimizer"] >= 0.01
+    assert wall["grad_sync"] >= 0.05 and cpu["grad_sync"] < 0.01     # asleep: off the CPU, not queued
+    # the sleep is the inner phase's alone: the outer one's wall is its own spinning
+    assert wall["compute"] < wall["grad_sync"] + 0.04
+    for phase in wall:
+        queued = clock.runqueue_s[phase] if clock.runqueue_s is not None else 0.0
+        assert 0 <= queued and cpu[phase] + queued <= wall[phase] + 0.002, (phase, wall, cpu, queued)
+
+
+def test_the_clock_hands_its_phases_to_the_step_output():
+    clock = PhaseClock()
+    with clock.phase("optimizer"):
+        _spin(0.005)
+    out = clock.fill(StepOutput())
+    assert set(out.phase_s) == set(out.phase_cpu_s) == {"compute", "grad_sync", "optimizer"}
+    assert out.phase_s["compute"] == 0.0 and out.phase_cpu_s["optimizer"] > 0
+    # Linux reports each thread's runqueue; elsewhere the field stays empty
+    assert (set(out.phase_runqueue_s) == set(out.phase_s)) == (_runqueue_s() is not None)
+
+
+def test_an_unknown_phase_is_refused():
+    with pytest.raises(ValueError, match="unknown step phase 'backward'"):
+        with PhaseClock().phase("backward"):
+            pass
