@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from systems.base import STEP_PHASES, StepOutput
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+_READS = 5            # attempts at a read no wait for a core falls inside (PhaseClock._read)
 
 
 def _runqueue_s() -> float | None:
@@ -45,7 +46,17 @@ class PhaseClock:
 
     @staticmethod
     def _read() -> tuple[float, float, float | None]:
-        return time.perf_counter(), time.thread_time(), _runqueue_s()
+        """(wall, CPU, runqueue) at one moment. The kernel adds a wait for a core to the runqueue
+        only once the thread runs again, so a wait between the reads would land in the phase
+        before the mark while its wall seconds land in the one after (seen: a 2 ms grad_sync
+        with 4 ms of runqueue); a read that the runqueue moved across is taken again."""
+        for _ in range(_READS):
+            before = _runqueue_s()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            after = _runqueue_s()
+            if before == after:
+                break
+        return wall, cpu, after
 
     def _switch(self, phase: str | None) -> None:
         now = self._read()
