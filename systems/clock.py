@@ -3,8 +3,9 @@
 Each phase gets three numbers for the training thread: wall seconds, CPU seconds
 (`time.thread_time`) and seconds it was runnable but waiting for a core (the kernel's
 /proc/thread-self/schedstat). What is left, wall - CPU - runqueue, it slept: on a collective's
-peers, on gloo's I/O thread (itself perhaps waiting for a core), a lock or I/O. That split is
-what tells a slow optimizer step that worked longer (memory, caches) from one that waited.
+peers, on a lock or I/O, or on gloo's I/O thread, which does a collective's copies itself
+(megatron's parameter all-gather over a DP group of one is a 14-50 MB copy there on `small`:
+work that the training thread's CPU seconds do not show; docs/validation-log.md, 7 Dec).
 """
 from __future__ import annotations
 

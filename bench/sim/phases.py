@@ -14,7 +14,8 @@ simulated work includes the TP collectives' waits, which use no CPU: the ratio t
 Their optimizer steps' CPU seconds against its wall seconds say whether a slow optimizer step
 worked longer or was off the CPU; where the kernel also gave the seconds the training thread
 waited for a core (`rank_phase_runqueue_s`, systems.clock), the rest it slept: on a collective's
-peers or gloo's I/O thread.
+peers or on gloo's I/O thread doing the collective's copies (work the training thread's CPU
+does not count: a DP-1 parameter all-gather is such a copy).
 """
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ def markdown(rows: list[dict]) -> str:
              "(with TP > 1 the work includes the TP collectives' waits, so it reads low). Optimizer CPU = the "
              "ranks' CPU seconds in their optimizer steps over those steps' wall seconds (summed over the ranks): "
              "well under 1, the step was mostly off the CPU rather than working; of the rest, the training "
-             "threads waited for a core (runqueue, where the kernel says) or slept: on a collective's peers or "
-             "gloo's I/O thread.", "",
+             "threads waited for a core (runqueue, where the kernel says) or slept: on a collective's peers or on "
+             "gloo's I/O thread doing the collective's copies (a parameter all-gather, even over a DP group of "
+             "one, is work on that thread).", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
              "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s | optimizer runqueue s, slept s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
