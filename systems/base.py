@@ -135,6 +135,9 @@ class StepOutput:
     # a helper thread. Empty where not timed (the runqueue: where the kernel does not report it).
     phase_cpu_s: dict[str, float] = field(default_factory=dict)
     phase_runqueue_s: dict[str, float] = field(default_factory=dict)
+    # the CPU seconds of all the rank's threads in each phase: beyond phase_cpu_s, what its helper
+    # threads did meanwhile (gloo copies on its own: a DP-1 parameter all-gather is such a copy)
+    phase_process_cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

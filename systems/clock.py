@@ -2,7 +2,8 @@
 
 Each phase gets three numbers for the training thread: wall seconds, CPU seconds
 (`time.thread_time`) and seconds it was runnable but waiting for a core (the kernel's
-/proc/thread-self/schedstat). What is left, wall - CPU - runqueue, it slept: on a collective's
+/proc/thread-self/schedstat); and a fourth, the CPU seconds of all the process's threads
+(`time.process_time`: gloo's, the data prefetcher's, the training thread's own). What is left, wall - CPU - runqueue, it slept: on a collective's
 peers, on a lock or I/O, or on gloo's I/O thread, which does a collective's copies itself
 (megatron's parameter all-gather over a DP group of one is a 14-50 MB copy there on `small`:
 work that the training thread's CPU seconds do not show; docs/validation-log.md, 7 Dec).
@@ -41,30 +42,32 @@ class PhaseClock:
     def __init__(self) -> None:
         self.wall_s = dict.fromkeys(STEP_PHASES, 0.0)
         self.cpu_s = dict.fromkeys(STEP_PHASES, 0.0)
+        self.process_cpu_s = dict.fromkeys(STEP_PHASES, 0.0)
         self.runqueue_s: dict[str, float] | None = dict.fromkeys(STEP_PHASES, 0.0)
         self._active: str | None = None
         self._mark = self._read()
 
     @staticmethod
-    def _read() -> tuple[float, float, float | None]:
-        """(wall, CPU, runqueue) at one moment. The kernel adds a wait for a core to the runqueue
-        only once the thread runs again, so a wait between the reads would land in the phase
-        before the mark while its wall seconds land in the one after (seen: a 2 ms grad_sync
-        with 4 ms of runqueue); a read that the runqueue moved across is taken again."""
+    def _read() -> tuple[float, float, float, float | None]:
+        """(wall, thread CPU, process CPU, runqueue) at one moment. The kernel adds a wait for a
+        core to the runqueue only once the thread runs again, so a wait between the reads would
+        land in the phase before the mark while its wall seconds land in the one after (seen: a
+        2 ms grad_sync with 4 ms of runqueue); a read that the runqueue moved across is taken again."""
         for _ in range(_READS):
             before = _runqueue_s()
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
             after = _runqueue_s()
             if before == after:
                 break
-        return wall, cpu, after
+        return wall, cpu, process, after
 
     def _switch(self, phase: str | None) -> None:
         now = self._read()
         if self._active is not None:
-            (w0, c0, r0), (w1, c1, r1) = self._mark, now
+            (w0, c0, p0, r0), (w1, c1, p1, r1) = self._mark, now
             self.wall_s[self._active] += w1 - w0
             self.cpu_s[self._active] += c1 - c0
+            self.process_cpu_s[self._active] += p1 - p0
             if self.runqueue_s is not None and r0 is not None and r1 is not None:
                 self.runqueue_s[self._active] += r1 - r0
             else:
@@ -83,7 +86,9 @@ class PhaseClock:
             self._switch(outer)
 
     def fill(self, out: StepOutput) -> StepOutput:
-        """Hand the phases to the step's output (StepOutput.phase_s, phase_cpu_s, phase_runqueue_s)."""
-        out.phase_s, out.phase_cpu_s = dict(self.wall_s), dict(self.cpu_s)
+        """Hand the phases to the step's output (StepOutput.phase_s, phase_cpu_s,
+        phase_process_cpu_s, phase_runqueue_s)."""
+        out.phase_s, out.phase_cpu_s, out.phase_process_cpu_s = (dict(self.wall_s), dict(self.cpu_s),
+                                                                  dict(self.process_cpu_s))
         out.phase_runqueue_s = dict(self.runqueue_s) if self.runqueue_s is not None else {}
         return out

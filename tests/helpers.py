@@ -62,8 +62,9 @@ def assert_step_phases(record: dict, nproc: int) -> None:
     """Every rank split every step into systems.base.STEP_PHASES: non-negative, a schedule that
     took time, together no longer than the step (up to the ranks' skew) and, for the slowest
     rank, most of it in the median step; and timed each phase's CPU and runqueue seconds
-    (systems.clock): some CPU in the schedule and the optimizer step, and in every phase no more
-    CPU + runqueue than one thread can spend in its wall seconds."""
+    (systems.clock): some CPU in the schedule and the optimizer step, in every phase no more
+    CPU + runqueue than one thread can spend in its wall seconds, and no less CPU over all the
+    rank's threads than on the training thread."""
     covered = []
     for s in record["steps"]:
         ph = s["rank_phase_s"]
@@ -72,11 +73,13 @@ def assert_step_phases(record: dict, nproc: int) -> None:
         sums = [sum(ph[k][r] for k in ph) for r in range(nproc)]
         assert max(sums) <= SKEW_RATIO * s["latency_s"] + SKEW_S, (sums, s["latency_s"])
         covered.append(max(sums) / s["latency_s"])
-        cpu, queued = s["rank_phase_cpu_s"], s["rank_phase_runqueue_s"]
+        cpu, queued, process = s["rank_phase_cpu_s"], s["rank_phase_runqueue_s"], s["rank_phase_process_cpu_s"]
         assert min(cpu["compute"]) > 0 and min(cpu["optimizer"]) > 0, cpu
         for p in ph:
-            assert len(cpu[p]) == len(queued[p]) == nproc and min(queued[p]) >= 0, (p, queued)
+            assert len(cpu[p]) == len(queued[p]) == len(process[p]) == nproc and min(queued[p]) >= 0, (p, queued)
             assert all(c + q <= w + CLOCK_S for c, q, w in zip(cpu[p], queued[p], ph[p])), (p, cpu, queued, ph)
+            # all the rank's threads: at least the training thread's CPU
+            assert all(a >= c - CLOCK_S for a, c in zip(process[p], cpu[p])), (p, process, cpu)
     # Most of the step, in the median step: a phase left untimed shows in every step, while one
     # step can stall outside the phases (a DeepSpeed ZeRO-3 step on tiny once read 0.10 s of
     # phases in a 0.47 s step, where the others cover ~90%).

@@ -32,12 +32,25 @@ def test_a_phase_inside_another_pauses_it_and_sleep_is_wall_without_cpu():
         assert 0 <= queued and cpu[phase] + queued <= wall[phase] + 0.002, (phase, wall, cpu, queued)
 
 
+def test_a_helper_threads_work_shows_in_the_process_cpu_alone():
+    import threading
+    clock = PhaseClock()
+    with clock.phase("optimizer"):
+        helper = threading.Thread(target=_spin, args=(0.05,))     # gloo's thread copying a bucket
+        helper.start()
+        helper.join()
+    # the training thread slept in join(); the helper's 0.05 s of CPU is the process's
+    assert clock.cpu_s["optimizer"] < 0.02 and clock.process_cpu_s["optimizer"] >= 0.045
+
+
 def test_the_clock_hands_its_phases_to_the_step_output():
     clock = PhaseClock()
     with clock.phase("optimizer"):
         _spin(0.005)
     out = clock.fill(StepOutput())
-    assert set(out.phase_s) == set(out.phase_cpu_s) == {"compute", "grad_sync", "optimizer"}
+    assert set(out.phase_s) == set(out.phase_cpu_s) == set(out.phase_process_cpu_s) == {"compute", "grad_sync",
+                                                                                        "optimizer"}
+    assert out.phase_process_cpu_s["optimizer"] >= out.phase_cpu_s["optimizer"]
     assert out.phase_s["compute"] == 0.0 and out.phase_cpu_s["optimizer"] > 0
     # Linux reports each thread's runqueue; elsewhere the field stays empty
     assert (set(out.phase_runqueue_s) == set(out.phase_s)) == (_runqueue_s() is not None)

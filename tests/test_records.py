@@ -69,11 +69,13 @@ def test_wandb_step_log_carries_where_the_step_went():
     step = {"step": 3, "latency_s": 1.0, "loss": 2.0, "data_wait_s": 0.2, "rank_data_wait_s": [0.2, 0.05],
             "rank_phase_s": {"compute": [0.6, 0.7], "grad_sync": [0.1, 0.05], "optimizer": [0.02, 0.03]},
             "rank_phase_cpu_s": {"compute": [0.5, 0.65], "grad_sync": [0.0, 0.01], "optimizer": [0.01, 0.02]},
-            "rank_phase_runqueue_s": {"compute": [0.05, 0.0], "grad_sync": [0.0, 0.0], "optimizer": [0.004, 0.0]}}
+            "rank_phase_runqueue_s": {"compute": [0.05, 0.0], "grad_sync": [0.0, 0.0], "optimizer": [0.004, 0.0]},
+            "rank_phase_process_cpu_s": {"compute": [0.6, 0.7], "grad_sync": [0.0, 0.02], "optimizer": [0.02, 0.02]}}
     log = step_log(step)
     assert log["phase/compute(s)"] == 0.7 and log["phase/grad_sync(s)"] == 0.1 and log["phase/optimizer(s)"] == 0.03
     assert log["phase/compute_cpu(s)"] == pytest.approx(1.15) and log["phase/optimizer_cpu(s)"] == pytest.approx(0.03)
     assert log["phase/optimizer_runqueue(s)"] == pytest.approx(0.004) and log["phase/grad_sync_cpu(s)"] == 0.01
+    assert log["phase/optimizer_process_cpu(s)"] == pytest.approx(0.04)
     assert log["phase/data_wait_slowest_rank(s)"] == 0.2
     assert log["step_time(s)"] == 1.0 and log["loss"] == 2.0
     bare = step_log({"step": 0, "latency_s": 0.1, "loss": 1.0})      # a system that does not split its step

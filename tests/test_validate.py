@@ -252,20 +252,24 @@ def test_phase_rows_set_the_ranks_cpu_against_the_simulated_work_and_the_optimiz
         s["rank_phase_s"] = {"compute": [0.6, 0.7], "grad_sync": [0.1, 0.1], "optimizer": [0.05, 0.05]}
         s["rank_phase_cpu_s"] = {"compute": list(cpu), "grad_sync": [0.0, 0.0], "optimizer": list(opt)}
         s["rank_phase_runqueue_s"] = {"compute": [0.0, 0.0], "grad_sync": [0.0, 0.0], "optimizer": list(queued)}
+        # gloo's thread copied 0.03 s a rank meanwhile
+        s["rank_phase_process_cpu_s"] = {"compute": list(cpu), "grad_sync": [0.0, 0.0],
+                                         "optimizer": [o + 0.03 for o in opt]}
     # medians of the ranks' sums
     assert measured_phases(rec) == pytest.approx({"compute_s": 0.7, "after_compute_s": 0.3, "compute_cpu_s": 1.1,
                                                   "optimizer_cpu_s": 0.05, "optimizer_s": 0.1,
-                                                  "optimizer_runqueue_s": 0.01})
+                                                  "optimizer_runqueue_s": 0.01, "optimizer_process_cpu_s": 0.11})
     rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
                                                            "compute_work_s": 1.0}})]))
     assert rows[0]["compute_cpu"] == pytest.approx({"measured": 1.1, "work": 1.0, "ratio": 1.1})
-    # of the optimizer's 0.1 s wall: 0.05 on the CPU, 0.01 waiting for a core, 0.04 asleep
+    # of the optimizer's 0.1 s wall: 0.05 on the CPU, 0.01 waiting for a core, 0.04 asleep, while
+    # the ranks' other threads worked 0.06 s
     assert rows[0]["optimizer_cpu"] == pytest.approx({"cpu": 0.05, "wall": 0.1, "ratio": 0.5,
-                                                      "runqueue": 0.01, "slept": 0.04})
-    assert "| 1.1 / 1 = 1.10 | 0.05 / 0.1 = 0.50 | 0.01, 0.04 |" in phase_markdown(rows)
+                                                      "runqueue": 0.01, "slept": 0.04, "other_threads": 0.06})
+    assert "| 1.1 / 1 = 1.10 | 0.05 / 0.1 = 0.50 | 0.01, 0.04 (0.06) |" in phase_markdown(rows)
     # a kernel that does not give the runqueue: CPU and wall only
     for s in rec["steps"]:
-        del s["rank_phase_runqueue_s"]
+        del s["rank_phase_runqueue_s"], s["rank_phase_process_cpu_s"]
     rows = phase_rows(by_configuration([(rec, {"metrics": {"compute_s": 0.7, "after_compute_s": 0.2,
                                                            "compute_work_s": 1.0}})]))
     assert rows[0]["optimizer_cpu"]["runqueue"] is None and "| 0.05 / 0.1 = 0.50 |  |" in phase_markdown(rows)

@@ -43,12 +43,13 @@ def mirror(record: dict, results_dir: Path, mode: str | None = None) -> Path | N
 def step_log(step: dict) -> dict:
     """What W&B logs of one step: the losses, the step's time and data wait, and where the step
     went (bench.sim.phases reads the same fields): each phase's slowest rank, the ranks' summed
-    CPU and runqueue seconds in each phase, the slowest rank's data wait."""
+    training-thread CPU, all-thread CPU and runqueue seconds in each phase, the slowest rank's
+    data wait."""
     out = {"loss": step["loss"], "lm_loss": step.get("lm_loss"), "gen_loss": step.get("gen_loss"),
            "step_time(s)": step["latency_s"], "data_wait(s)": step.get("data_wait_s")}
     for phase, per_rank in (step.get("rank_phase_s") or {}).items():
         out[f"phase/{phase}(s)"] = max(per_rank)
-    for kind in ("cpu", "runqueue"):
+    for kind in ("cpu", "process_cpu", "runqueue"):
         for phase, per_rank in (step.get(f"rank_phase_{kind}_s") or {}).items():
             out[f"phase/{phase}_{kind}(s)"] = sum(per_rank)
     if step.get("rank_data_wait_s"):

@@ -30,9 +30,9 @@ from systems.base import STEP_PHASES, TIMELINE_KINDS, Layout, TrainContext, get_
 from workloads.presets import Workload, get_workload
 from workloads.presets import MODULES
 
-# StepOutput's per-phase times (phase_s, phase_cpu_s, phase_runqueue_s), recorded per step as
-# rank_phase_s, rank_phase_cpu_s and rank_phase_runqueue_s: {phase: [seconds per rank]}
-PHASE_TIMES = ("phase", "phase_cpu", "phase_runqueue")
+# StepOutput's per-phase times (phase_s, phase_cpu_s, phase_process_cpu_s, phase_runqueue_s),
+# recorded per step as rank_phase_s, rank_phase_cpu_s, ...: {phase: [seconds per rank]}
+PHASE_TIMES = ("phase", "phase_cpu", "phase_process_cpu", "phase_runqueue")
 
 
 def _device(cfg: RunConfig) -> torch.device:

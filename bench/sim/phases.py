@@ -15,7 +15,8 @@ Their optimizer steps' CPU seconds against its wall seconds say whether a slow o
 worked longer or was off the CPU; where the kernel also gave the seconds the training thread
 waited for a core (`rank_phase_runqueue_s`, systems.clock), the rest it slept: on a collective's
 peers or on gloo's I/O thread doing the collective's copies (work the training thread's CPU
-does not count: a DP-1 parameter all-gather is such a copy).
+does not count: a DP-1 parameter all-gather is such a copy), which the ranks' CPU seconds over all
+their threads (`rank_phase_process_cpu_s`) show beside the training thread's.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from bench.records import record_variant
 
 def measured_phases(record: dict) -> dict | None:
     """{"compute_s", "after_compute_s"[, "compute_cpu_s", "optimizer_cpu_s", "optimizer_s"]
-    [, "optimizer_runqueue_s"]}: medians over the measured steps (the others: of the ranks' summed
-    schedule CPU seconds, optimizer CPU, wall and runqueue seconds, where every step has them);
-    None if the system did not time its phases."""
+    [, "optimizer_runqueue_s"][, "optimizer_process_cpu_s"]}: medians over the measured steps (the
+    others: of the ranks' summed schedule CPU seconds, optimizer CPU, wall, runqueue and all-thread
+    CPU seconds, where every step has them); None if the system did not time its phases."""
     steps = [s for s in record.get("steps") or [] if not s.get("warmup") and s.get("rank_phase_s")]
     if not steps:
         return None
@@ -41,6 +42,9 @@ def measured_phases(record: dict) -> dict | None:
         out["optimizer_s"] = statistics.median(sum(s["rank_phase_s"]["optimizer"]) for s in steps)
     if all(s.get("rank_phase_runqueue_s") for s in steps):
         out["optimizer_runqueue_s"] = statistics.median(sum(s["rank_phase_runqueue_s"]["optimizer"]) for s in steps)
+    if all(s.get("rank_phase_process_cpu_s") for s in steps):
+        out["optimizer_process_cpu_s"] = statistics.median(sum(s["rank_phase_process_cpu_s"]["optimizer"])
+                                                           for s in steps)
     return out
 
 
@@ -79,10 +83,13 @@ def phase_rows(groups: list[list[tuple[dict, dict]]]) -> list[dict]:
         if all("optimizer_cpu_s" in x for x in measured):
             cpu, wall = (statistics.median(x[k] for x in measured) for k in ("optimizer_cpu_s", "optimizer_s"))
             row["optimizer_cpu"] = {"cpu": cpu, "wall": wall, "ratio": cpu / wall if wall > 0 else None,
-                                    "runqueue": None, "slept": None}
+                                    "runqueue": None, "slept": None, "other_threads": None}
             if all("optimizer_runqueue_s" in x for x in measured):
                 queued = statistics.median(x["optimizer_runqueue_s"] for x in measured)
                 row["optimizer_cpu"].update(runqueue=queued, slept=max(0.0, wall - cpu - queued))
+            if all("optimizer_process_cpu_s" in x for x in measured):
+                process = statistics.median(x["optimizer_process_cpu_s"] for x in measured)
+                row["optimizer_cpu"]["other_threads"] = max(0.0, process - cpu)
         rows.append(row)
     return rows
 
@@ -103,9 +110,10 @@ def markdown(rows: list[dict]) -> str:
              "well under 1, the step was mostly off the CPU rather than working; of the rest, the training "
              "threads waited for a core (runqueue, where the kernel says) or slept: on a collective's peers or on "
              "gloo's I/O thread doing the collective's copies (a parameter all-gather, even over a DP group of "
-             "one, is work on that thread).", "",
+             "one, is work on that thread); in brackets, the CPU seconds the ranks' other threads spent "
+             "meanwhile.", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
-             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s | optimizer runqueue s, slept s |",
+             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s | optimizer runqueue s, slept s (other threads' CPU s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         c, a, u, o = r["compute_s"], r["after_compute_s"], r.get("compute_cpu"), r.get("optimizer_cpu")
@@ -113,6 +121,8 @@ def markdown(rows: list[dict]) -> str:
                else "")
         opt = f"{o['cpu']:.4g} / {o['wall']:.4g} = {o['ratio']:.2f}" if o and o["ratio"] is not None else ""
         off = f"{o['runqueue']:.4g}, {o['slept']:.4g}" if o and o["runqueue"] is not None else ""
+        if off and o["other_threads"] is not None:
+            off += f" ({o['other_threads']:.4g})"
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
                      f"{c['measured']:.4g} | {c['simulated']:.4g} | {c['error_pct']:+.1f} | "
                      f"{a['measured']:.4g} | {a['simulated']:.4g} | {a['error_pct']:+.1f} | {cpu} | {opt} | {off} |")
