@@ -3,10 +3,11 @@
 Each phase gets three numbers for the training thread: wall seconds, CPU seconds
 (`time.thread_time`) and seconds it was runnable but waiting for a core (the kernel's
 /proc/thread-self/schedstat); and a fourth, the CPU seconds of all the process's threads
-(`time.process_time`: gloo's, the data prefetcher's, the training thread's own). What is left, wall - CPU - runqueue, it slept: on a collective's
-peers, on a lock or I/O, or on gloo's I/O thread, which does a collective's copies itself
-(megatron's parameter all-gather over a DP group of one is a 14-50 MB copy there on `small`:
-work that the training thread's CPU seconds do not show; docs/validation-log.md, 7 Dec).
+(`time.process_time`: gloo's, the data prefetcher's, the training thread's own). What is left
+of the wall, after the training thread's CPU and runqueue, it slept: on a collective's peers, on
+a lock or I/O, or on gloo's I/O thread, which does a collective's copies itself (megatron's
+parameter all-gather over a DP group of one is a 14-50 MB copy there on `small`: work that the
+training thread's CPU seconds do not show and the process's do; docs/validation-log.md, 7 Dec).
 """
 from __future__ import annotations
 

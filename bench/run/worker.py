@@ -159,8 +159,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             entry["rank_sys_s"] = [r["sys"] for r in per_rank]
             entry["rank_minor_faults"] = [int(r["faults"]) for r in per_rank]
             for key in PHASE_TIMES:
-                # the system's own split of each rank's step (systems.base.STEP_PHASES): wall, and
-                # the training thread's CPU and runqueue seconds (systems.clock); -1: not reported
+                # the system's own split of each rank's step (systems.base.STEP_PHASES): wall, the
+                # training thread's CPU and runqueue seconds, all threads' CPU (systems.clock); -1: not reported
                 if all(r[f"{key}.{p}"] >= 0 for r in per_rank for p in STEP_PHASES):
                     entry[f"rank_{key}_s"] = {p: [r[f"{key}.{p}"] for r in per_rank] for p in STEP_PHASES}
             norms = [r["grad_norm"] for r in per_rank if r["grad_norm"] >= 0]

@@ -113,7 +113,8 @@ def markdown(rows: list[dict]) -> str:
              "one, is work on that thread); in brackets, the CPU seconds the ranks' other threads spent "
              "meanwhile.", "",
              "| system | workload | layout | nproc | repeats | compute measured s | simulated s | error % "
-             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s | optimizer runqueue s, slept s (other threads' CPU s) |",
+             "| after measured s | simulated s | error % | schedule CPU s / work s | optimizer CPU s / wall s "
+             "| optimizer runqueue s, slept s (other threads' CPU s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         c, a, u, o = r["compute_s"], r["after_compute_s"], r.get("compute_cpu"), r.get("optimizer_cpu")
