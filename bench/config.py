@@ -172,7 +172,7 @@ def resolve(system: str, workload: str, nproc: int, sets: dict[str, Any],
                               f"search keeps {keeps} fixed; give the whole layout explicitly")
         fixed = {k: v for k, v in asked.items() if k in adapter.search_keeps}
         chosen, choice = auto_options(system, workload, nproc, base["global_batch_size"], base["micro_batch_size"],
-                                      fixed=fixed)
+                                      fixed=fixed, clip_grad=float(base["optim"].get("clip_grad", 0.0)))
         options = {**{k: v for k, v in options.items() if v != AUTO}, **chosen, **asked}
         base["options"] = options
     cfg = RunConfig.from_dict(base)

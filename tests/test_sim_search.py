@@ -85,6 +85,16 @@ def test_plan_auto_through_the_adapter():
     assert cfg.options["placement"] == "colocated" and layout.details["auto"]["candidates_s"]["disaggregated"] is None
 
 
+def test_plan_auto_prices_the_runs_clipping():
+    """A clipped run's modules meet at the whole model's norm (SimStep.clip_grad): the search's
+    simulator re-scores the disaggregated plans with that barrier, as the run will have it."""
+    from bench.config import resolve
+    _, plain = resolve("disttrain", "tiny", 4, {"plan": "auto"})
+    _, clipped = resolve("disttrain", "tiny", 4, {"plan": "auto", "optim.clip_grad": 1.0})
+    plain_s, clipped_s = (lay.details["auto"]["candidates_s"]["disaggregated"] for lay in (plain, clipped))
+    assert clipped_s > plain_s
+
+
 def test_plan_auto_uses_a_profile(tmp_path):
     from bench.sim.auto import auto_options
     from tests.test_validate import synthetic_profile

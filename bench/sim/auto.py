@@ -17,9 +17,10 @@ AUTO = "auto"
 
 
 def auto_options(system: str, workload, nproc: int, global_batch_size: int, micro_batch_size: int,
-                 profile_dir: Path | None = None, fixed: dict | None = None) -> tuple[dict, dict]:
-    """(the options the search chose, keeping those in `fixed`; what to record about the choice);
-    ConfigError if none fits."""
+                 profile_dir: Path | None = None, fixed: dict | None = None,
+                 clip_grad: float = 0.0) -> tuple[dict, dict]:
+    """(the options the search chose, keeping those in `fixed`, its simulator pricing the run's
+    `clip_grad`; what to record about the choice); ConfigError if none fits."""
     from bench.profile.profiler import find_profile, load_profile
     from bench.sim.cluster import cpu_cluster
     from bench.sim.simulate import search_layout
@@ -33,7 +34,7 @@ def auto_options(system: str, workload, nproc: int, global_batch_size: int, micr
             profile = None
     cluster = cpu_cluster(nproc, profile=profile)
     found = search_layout(workload, system, nproc, cluster, seed=0, global_batch_size=global_batch_size,
-                          micro_batch_size=micro_batch_size, exact=True, fixed=fixed)
+                          micro_batch_size=micro_batch_size, exact=True, fixed=fixed, clip_grad=clip_grad)
     if found is None:
         raise ConfigError(f"no {system} layout for {nproc} processes fits this machine; give one explicitly")
     details = {"cluster": cluster.name, "profile": str(path) if profile is not None else None,

@@ -16,6 +16,8 @@ the papers' Megatron-LM has no reordering); with a `data_order`
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from bench.metrics import throughput
@@ -105,11 +107,14 @@ def simulate(workload: Workload | str, system: str, options: dict | Layout, num_
 
 def search_layout(w: Workload, system: str, num_gpus: int, cluster: Cluster, seed: int = 0,
                   global_batch_size: int | None = None, micro_batch_size: int | None = None,
-                  exact: bool = False, fixed: dict | None = None) -> dict | None:
+                  exact: bool = False, fixed: dict | None = None, clip_grad: float = 0.0) -> dict | None:
     """The system's own layout search (SystemAdapter.search_layout) on this cluster, keeping the
-    options in `fixed`: {"options": ..., "estimate_s": ..., "search": ...} or None if nothing fits."""
+    options in `fixed`: {"options": ..., "estimate_s": ..., "search": ...} or None if nothing fits.
+    `clip_grad`: the run's (SimStep.clip_grad); the searches' re-scoring by the simulator
+    (kit.simulate) prices it, their closed-form estimates do not."""
     return get_system(system).search_layout(
-        w, num_gpus, cluster, Kit(simulate=simulate), seed=seed, exact=exact, fixed=fixed,
+        w, num_gpus, cluster, Kit(simulate=partial(simulate, clip_grad=clip_grad)), seed=seed, exact=exact,
+        fixed=fixed,
         global_batch_size=global_batch_size or w.global_batch_size,
         micro_batch_size=micro_batch_size or w.micro_batch_size)
 
@@ -122,7 +127,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
                     fixed: dict | None = None, clip_grad: float = 0.0) -> dict:
     """A bench.records record (mode "simulated") of one simulation; options None or "auto": the
     system's own layout search, keeping the options in `fixed` (its layout may come with a
-    rounded global batch). The search ranks layouts unclipped; `clip_grad` prices the chosen one."""
+    rounded global batch). `clip_grad` prices the chosen one and the search's re-scoring."""
     from bench.records import build_record, new_run_id
     w = get_workload(workload_name, profile)
     cl = with_preprocess(get_cluster(cluster, w), w.name)
@@ -131,7 +136,7 @@ def simulate_record(workload_name: str, system: str, num_gpus: int, cluster: Clu
     reason = f"no {system} layout fits {num_gpus} GPUs in memory"
     if options is None or options == "auto":
         try:
-            found = search_layout(w, system, num_gpus, cl, seed, B, mbs, fixed=fixed)
+            found = search_layout(w, system, num_gpus, cl, seed, B, mbs, fixed=fixed, clip_grad=clip_grad)
         except ConfigError as e:
             found, reason = None, f"layout search failed: {e}"
         chosen = "auto"
