@@ -4,7 +4,7 @@ import time
 import pytest
 
 from systems.base import StepOutput
-from systems.clock import PhaseClock, _runqueue_s
+from systems.clock import PhaseClock, _runqueue_s, parse_schedstat
 
 
 def _spin(seconds: float) -> None:
@@ -25,11 +25,11 @@ def test_a_phase_inside_another_pauses_it_and_sleep_is_wall_without_cpu():
     wall, cpu = clock.wall_s, clock.cpu_s
     assert cpu["compute"] >= 0.04 and cpu["optimizer"] >= 0.01
     assert wall["grad_sync"] >= 0.05 and cpu["grad_sync"] < 0.01     # asleep: off the CPU, not queued
-    # the sleep is the inner phase's alone: the outer one's wall is its own spinning
-    assert wall["compute"] < wall["grad_sync"] + 0.04
+    queued = clock.runqueue_s or dict.fromkeys(wall, 0.0)      # no schedstats: none counted
+    # the sleep is the inner phase's alone: the outer one slept at most a little of it
+    assert wall["compute"] - cpu["compute"] - queued["compute"] < 0.025, (wall, cpu, queued)
     for phase in wall:
-        queued = clock.runqueue_s[phase] if clock.runqueue_s is not None else 0.0
-        assert 0 <= queued and cpu[phase] + queued <= wall[phase] + 0.002, (phase, wall, cpu, queued)
+        assert 0 <= queued[phase] and cpu[phase] + queued[phase] <= wall[phase] + 0.002, (phase, wall, cpu, queued)
 
 
 def test_a_helper_threads_work_shows_in_the_process_cpu_alone():
@@ -50,7 +50,8 @@ def test_the_clock_hands_its_phases_to_the_step_output():
     out = clock.fill(StepOutput())
     assert set(out.phase_s) == set(out.phase_cpu_s) == set(out.phase_process_cpu_s) == {"compute", "grad_sync",
                                                                                         "optimizer"}
-    assert out.phase_process_cpu_s["optimizer"] >= out.phase_cpu_s["optimizer"]
+    # all threads' CPU holds the training thread's (the two clocks differ by microseconds)
+    assert out.phase_process_cpu_s["optimizer"] >= out.phase_cpu_s["optimizer"] - 1e-4
     assert out.phase_s["compute"] == 0.0 and out.phase_cpu_s["optimizer"] > 0
     # Linux reports each thread's runqueue; elsewhere the field stays empty
     assert (set(out.phase_runqueue_s) == set(out.phase_s)) == (_runqueue_s() is not None)
@@ -60,3 +61,8 @@ def test_an_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="unknown step phase 'backward'"):
         with PhaseClock().phase("backward"):
             pass
+
+
+def test_a_schedstat_line_reads_as_seconds():
+    assert parse_schedstat("328144918 32808 8\n") == (0.328144918, 0.000032808)
+    assert parse_schedstat("") is None

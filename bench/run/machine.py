@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from systems.clock import parse_schedstat
+
 ROOT_ENV = "BENCH_RUN_ROOT_PID"
 # A run during which other processes used at least this share of the machine's CPU is flagged
 # busy: on 2 cores, one other busy process is half the machine.
@@ -85,16 +87,16 @@ def thread_times() -> tuple[float, float, float] | None:
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/schedstat") as f:
-                fields = f.read().split()
+                times = parse_schedstat(f.read())
         except OSError:           # a thread that ended between listing and reading
             continue
-        if len(fields) < 2:
+        if times is None:
             return None
-        cpu += int(fields[0]) / 1e9
+        cpu += times[0]
         if task == main:
-            runqueue = int(fields[1]) / 1e9
+            runqueue = times[1]
         else:
-            helpers += int(fields[1]) / 1e9
+            helpers += times[1]
     return cpu, runqueue, helpers
 
 
