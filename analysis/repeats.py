@@ -1,7 +1,8 @@
 """Repeats of one configuration, summarized: what every comparison in figures and report reads.
 
 Records sharing a `config_key` (bench.config.config_key: the resolved config without tags) and
-the machine they ran on (`cluster`) are repeats of one configuration; a record without one (older, or simulated) is a configuration of
+the machine they ran on (`cluster`) are repeats of one configuration; a record without one (older, or
+simulated) is a configuration of
 its own. A configuration's samples/s is the median of its repeats, with the order-statistic
 interval of that median (analysis.stats); MFU, tokens/s and the other rates are medians too.
 "Best layout" means the best median, never the luckiest repeat, and a speedup is a ratio of

@@ -213,7 +213,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
         times = g["step_time_s"].astype(float)
         s = summarize(times)
         sim_s = float(simulated.loc[g.index].median())
-        ranges = [] if by_profile is None else [b for b in by_profile.loc[g.index] if isinstance(b, list) and len(b) > 1]
+        ranges = ([] if by_profile is None
+                  else [b for b in by_profile.loc[g.index] if isinstance(b, list) and len(b) > 1])
         span = (f"{np.median([min(b) for b in ranges]):.4g}..{np.median([max(b) for b in ranges]):.4g}"
                 if ranges else "")
         lo, hi = float(times.min()), float(times.max())

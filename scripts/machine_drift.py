@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     work()                                       # warm-up: allocations, optimizer state
     rows, end = [], time.time() + args.seconds
     while time.time() < end:
-        rows.append({"time": time.time(), "matmul_gflops": measure_cpu_matmul_flops(seconds=0.3) / 1e9, "copy_gbps": copy_gbps(src, dst),
-                     "work_s": work()})
+        rows.append({"time": time.time(), "matmul_gflops": measure_cpu_matmul_flops(seconds=0.3) / 1e9,
+                     "copy_gbps": copy_gbps(src, dst), "work_s": work()})
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

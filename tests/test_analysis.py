@@ -442,7 +442,8 @@ def test_headline_gives_the_simulators_prediction_and_the_encoder_heavy_comparis
                            status="ok", layout=r["layout"], num_devices=4, mode="simulated", env={}, config={},
                            tags={"experiment": "validation", "measured_run_id": r["run_id"]},
                            assumptions={"cost_model": "profile"},
-                           metrics=_metrics(1.0, 4, iteration_time_s=2.0 if r["system"] == "megatron" else simulated_disttrain_s))
+                           metrics=_metrics(1.0, 4, iteration_time_s=(2.0 if r["system"] == "megatron"
+                                                                      else simulated_disttrain_s)))
         recs.append(sim)
     write_results(tmp_path / "r", recs)
     from analysis.report import headline_section

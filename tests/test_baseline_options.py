@@ -106,7 +106,8 @@ def test_dp_collectives_are_read_at_the_runs_process_arrangement():
                                                                            2e-3 + 0.5e-9 * nbytes))
     # DistTrain's simulator passes a module's rank count from a float array: the same arrangement
     # (it once missed "2/2" and read the extrapolation, 2.5x slower on a 2-core profile)
-    assert C.dp_sync_parts(params, 2, False, cl, ranks=np.float64(2.0)) == C.dp_sync_parts(params, 2, False, cl, ranks=2)
+    assert (C.dp_sync_parts(params, 2, False, cl, ranks=np.float64(2.0))
+            == C.dp_sync_parts(params, 2, False, cl, ranks=2))
     ring = [cl.host_slowdown * (lat * 3 + nbytes * s * 2 * 3 / 4) for lat, s in ((1e-3, 1e-9), (2e-3, 0.5e-9))]
     assert C.dp_sync_parts(params, 4, False, cl, ranks=6) == pytest.approx(ring)
     assert C.dp_sync_time(params, 1, False, cl) == 0.0

@@ -210,8 +210,9 @@ def test_megatron_search_picks_cp_when_memory_demands_it():
 def test_three_configurations_at_64k_and_the_orchestrators_cp():
     w, gpus = LONG, 64
     st = work_stats(w, w.global_batch_size, 1)
-    homogeneous = simulate_record("long-64k", "megatron", gpus, options={"tp": 2, "cp": 4, "sp": True, "recompute": True,
-                                                                         "overlap": True, "cp_comm": "ring"})
+    homogeneous = simulate_record("long-64k", "megatron", gpus,
+                                  options={"tp": 2, "cp": 4, "sp": True, "recompute": True, "overlap": True,
+                                           "cp_comm": "ring"})
     disaggregated = S.best_plan(KIT, w, gpus, H100, st)
     colocated = best_colocated_plan(KIT, w, gpus, H100, st)
     for plan in (disaggregated, colocated):

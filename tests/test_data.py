@@ -61,11 +61,13 @@ def test_meta_and_sequence_length(reader):
 
 def test_trailing_input_images_dropped_to_keep_min_text():
     seq, limit = TINY.backbone.seq_length, TINY.backbone.seq_length - TINY.min_text_tokens
-    crowded = dataclasses.replace(TINY.data_profile, input_images=Choice((6,), (1.0,)), input_resolution=Choice((2,), (1.0,)))
+    crowded = dataclasses.replace(TINY.data_profile, input_images=Choice((6,), (1.0,)),
+                                  input_resolution=Choice((2,), (1.0,)))
     w = dataclasses.replace(TINY, data_profile=crowded)
     m = plan_sample(w, np.random.default_rng(0), 5)
     assert 6 * w.image_tokens(32) > limit                       # the profile asks for too many image tokens
-    assert m.input_resolutions == (32,) * (limit // w.image_tokens(32)) and m.num_text_tokens == seq - 16 * len(m.input_resolutions)
+    assert (m.input_resolutions == (32,) * (limit // w.image_tokens(32))
+            and m.num_text_tokens == seq - 16 * len(m.input_resolutions))
 
 
 def test_patch_and_latent_shapes(reader):
@@ -105,7 +107,8 @@ def test_tokenizer_ids_below_vocab(reader, dataset):
 def test_profiles_differ_in_image_count_variance(tmp_path):
     counts = {}
     for profile in ("uniform", "heterogeneous"):
-        meta = json.loads((generate_dataset(TINY.with_profile(profile), tmp_path / profile, N, 0) / "meta.json").read_text())
+        meta = json.loads((generate_dataset(TINY.with_profile(profile), tmp_path / profile, N, 0)
+                           / "meta.json").read_text())
         counts[profile] = np.array([len(s["input_resolutions"]) for s in meta["samples"]])
     assert counts["uniform"].var() == 0 and set(counts["uniform"]) == {1}
     assert counts["heterogeneous"].var() > 0.5
@@ -142,14 +145,16 @@ def test_latent_noise_is_per_image_not_per_batch(reader):
     a = collate([reader.load_sample(i) for i in with_out[:3]], TINY, seed=3)
     b = collate([reader.load_sample(with_out[1])], TINY, seed=3)
     c = collate([reader.load_sample(with_out[1])], TINY, seed=4)
-    noise_of = lambda mb, row: [(n, t) for g in mb.latent_groups for n, t, r in zip(g.noise, g.timesteps, g.sample_row) if r == row]
+    noise_of = lambda mb, row: [(n, t) for g in mb.latent_groups
+                                for n, t, r in zip(g.noise, g.timesteps, g.sample_row) if r == row]
     assert all(torch.equal(x[0], y[0]) and x[1] == y[1] for x, y in zip(noise_of(a, 1), noise_of(b, 0)))
     assert len(noise_of(b, 0)) >= 1 and not torch.equal(noise_of(b, 0)[0][0], noise_of(c, 0)[0][0])
     firsts = [noise_of(a, row)[0][1] for row in range(3)]        # timesteps differ between samples
     assert len(set(t.item() for t in firsts)) == 3
     sizes = [g.latents.shape[1] for g in a.latent_groups]
     assert sizes == sorted(set(sizes)) and all(((g.timesteps >= 0) & (g.timesteps < 1)).all() for g in a.latent_groups)
-    empty = collate([reader.load_sample(i) for i in range(N) if not reader.sample_meta(i).output_resolutions][:1], TINY, 3)
+    empty = collate([reader.load_sample(i) for i in range(N) if not reader.sample_meta(i).output_resolutions][:1],
+                    TINY, 3)
     assert empty.latent_groups == []
 
 

@@ -104,7 +104,8 @@ def test_the_rank_that_was_killed_is_named_not_the_one_that_saw_it(tmp_path, roo
         if rank is not None:
             launch.rank_lines[rank].append(body)
     failure = launch._explain(1)
-    assert failure.reason == "rank 1 killed by SIGKILL at step 2; last lines: [bench] fault injected: kill on rank 1 at step 2"
+    assert failure.reason == ("rank 1 killed by SIGKILL at step 2; "
+                              "last lines: [bench] fault injected: kill on rank 1 at step 2")
     d = failure.details
     assert (d["kind"], d["rank"], d["exit_code"], d["signal"], d["step"]) == ("signal", 1, -9, "SIGKILL", 2)
     assert d["log_tail"] == ["[bench] fault injected: kill on rank 1 at step 2"]

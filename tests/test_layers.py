@@ -22,7 +22,8 @@ CONTRACTS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["import
 
 def lint_imports(root: Path, *args: str) -> subprocess.CompletedProcess:
     """`lint-imports --no-cache` on the tree at `root` (its pyproject.toml, its packages)."""
-    assert LINT_IMPORTS.is_file(), f"{LINT_IMPORTS} missing: import-linter is a pinned dependency, run scripts/setup_env.sh"
+    assert LINT_IMPORTS.is_file(), (f"{LINT_IMPORTS} missing: import-linter is a pinned dependency, "
+                                     "run scripts/setup_env.sh")
     env = dict(os.environ, PYTHONPATH=str(root), COLUMNS="400", NO_COLOR="1")   # wide: no wrapped module names
     return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo", "--config", str(root / "pyproject.toml"),
                            *args], cwd=root, env=env, capture_output=True, text=True, timeout=120)
@@ -44,7 +45,8 @@ def test_contracts_configured():
 @pytest.mark.parametrize("contract", [c["id"] for c in CONTRACTS])
 def test_contract_kept(contract):
     proc = lint_imports(REPO, "--contract", contract)
-    assert proc.returncode == 0, f"lint-imports --contract {contract} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, (f"lint-imports --contract {contract} exited {proc.returncode}:\n"
+                                  f"{proc.stdout}{proc.stderr}")
 
 
 # --------------------------------------------------------------------------- a broken contract fails

@@ -91,7 +91,8 @@ def test_packed_mllm9b_carries_many_images():
 def test_interleaved_mllm9b_images_follow_documents_per_sample():
     w, metas = draws("mllm-9b", "interleaved")
     prof = w.data_profile
-    doc = prof.text_tokens_per_document + prof.images_per_document * (1 - prof.p_generation) * mean_image_tokens(w, prof)
+    doc = (prof.text_tokens_per_document
+           + prof.images_per_document * (1 - prof.p_generation) * mean_image_tokens(w, prof))
     expected = w.backbone.seq_length / doc * prof.images_per_document
     mean = np.mean([len(m.input_resolutions) + len(m.output_resolutions) for m in metas])
     print(f"interleaved mllm-9b: {mean:.1f} images/sample (estimate {expected:.1f})")

@@ -185,7 +185,8 @@ def test_inter_1f1b_never_worse_than_given_order():
     for _ in range(5):
         p = rng.exponential(size=(6, 3))
         o = inter_microbatch_order(p, model=one_f_one_b_makespan)
-        assert pipeline_makespan(o, p, one_f_one_b_makespan) <= pipeline_makespan(range(6), p, one_f_one_b_makespan) + EPS
+        assert (pipeline_makespan(o, p, one_f_one_b_makespan)
+                <= pipeline_makespan(range(6), p, one_f_one_b_makespan) + EPS)
 
 
 def heterogeneous_imbalance(workload: str, batch: int, ranks: int, steps: int = 20, seed: int = 1):

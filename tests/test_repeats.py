@@ -107,7 +107,8 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
         if machine.thread_times() is not None:     # where each rank's step went (Linux schedstat)
             for s in r["steps"]:
                 assert len(s["rank_cpu_s"]) == len(s["rank_runqueue_s"]) == 2
-                assert all(0 < c for c in s["rank_cpu_s"]) and all(0 <= q <= s["latency_s"] for q in s["rank_runqueue_s"])
+                assert (all(0 < c for c in s["rank_cpu_s"])
+                        and all(0 <= q <= s["latency_s"] for q in s["rank_runqueue_s"]))
                 assert len(s["rank_helper_runqueue_s"]) == 2
             assert 0 < m["rank_cpu_share"] and 0 <= m["rank_runqueue_share"] < 1
         # the ranks' kernel time and page faults (bench.run.machine.kernel_time): every step allocates
@@ -179,7 +180,8 @@ def test_drift_summary_reads_how_a_probe_tracks_the_work():
     rows = [{"work_s": 2.0 / f, "matmul_gflops": 90.0 * f, "copy_gbps": 30.0} for f in (1.0, 0.8, 0.5, 0.9, 1.0) * 4]
     text = drift.summary(rows, window=5)
     assert "20 repeats of the fixed work: median 2.222 s, range 2.000..4.000 s" in text
-    assert "correlation with the work's time -0.99, log-log slope -1.00" in text and "copy_gbps" not in text      # a constant probe has no slope
+    # a constant probe has no slope
+    assert "correlation with the work's time -0.99, log-log slope -1.00" in text and "copy_gbps" not in text
     assert "means of 5 consecutive repeats: 2.544..2.544 s" in text
 
 

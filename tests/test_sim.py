@@ -1,4 +1,5 @@
-"""Simulator: the simulated record, reordering, python -m bench simulate and sweeps' simulate entries, preprocessing at GPU scale."""
+"""Simulator: the simulated record, reordering, python -m bench simulate and sweeps' simulate entries,
+preprocessing at GPU scale."""
 from __future__ import annotations
 
 import dataclasses

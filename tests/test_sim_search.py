@@ -1,4 +1,5 @@
-"""Layout searches: the orchestrator against brute force, plan=auto, batch rounding for equal-GPU comparisons, shortlists."""
+"""Layout searches: the orchestrator against brute force, plan=auto, batch rounding for equal-GPU
+comparisons, shortlists."""
 from __future__ import annotations
 
 import dataclasses

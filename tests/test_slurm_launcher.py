@@ -76,7 +76,8 @@ def test_multinode_torchrun_rendezvous_at_the_first_node_of_the_slurm_node_list(
     assert cmd[cmd.index("--progress") + 1] == str(tmp_path / "4242_work" / "progress")     # shared by all nodes
     single = runner.torchrun_command(_cfg(2), Path("c"), Path("d"), Path("o"), 29400)
     assert "--nnodes=1" in single and "--master-addr=127.0.0.1" in single and "--nproc-per-node=2" in single
-    assert slurm_job.job_nodes(_spec(_cfg(8), slurm.Settings(gpus_per_node=8), tmp_path)) is None   # one node: runner as is
+    # one node: runner as is
+    assert slurm_job.job_nodes(_spec(_cfg(8), slurm.Settings(gpus_per_node=8), tmp_path)) is None
     assert 20000 <= slurm_job.master_port("123_4") < 40000
     with pytest.raises(RuntimeError, match="the run needs 3"):
         slurm_job.rendezvous(3, ["a", "b"], 0, "1", tmp_path)

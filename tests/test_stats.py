@@ -63,7 +63,8 @@ def test_the_best_of_several_equal_configurations_is_not_called_faster_more_than
 
 def test_the_chosen_count_is_the_exact_one_without_a_choice_and_never_above_a_fewer_candidates_one():
     assert [chosen_critical_count(n, n, 1, 1) for n in (3, 4, 5, 8)] == [0, 1, 3, 14]   # 5 + 5: U <= 2; 8 + 8: <= 13
-    assert chosen_critical_count(6, 6, 3, 3) <= min(chosen_critical_count(6, 6, 3, 1), chosen_critical_count(6, 6, 1, 3))
+    assert chosen_critical_count(6, 6, 3, 3) <= min(chosen_critical_count(6, 6, 3, 1),
+                                                    chosen_critical_count(6, 6, 1, 3))
 
 
 def test_ratio_interval_covers_the_true_ratio():

@@ -73,7 +73,8 @@ def test_validation_appends_tagged_records_and_a_table(setup):
         validate_record(s)
         assert s["tags"]["experiment"] == "validation" and "assumptions" in s
         m = s["metrics"]
-        assert m["iteration_time_s"] > 0 and m["compute_s"] > 0 and m["after_compute_s"] >= 0 and m["compute_work_s"] > 0
+        assert (m["iteration_time_s"] > 0 and m["compute_s"] > 0 and m["after_compute_s"] >= 0
+                and m["compute_work_s"] > 0)
         assert m["error_pct"] == pytest.approx(100 * (m["iteration_time_s"] - m["measured_iteration_time_s"])
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
@@ -111,11 +112,13 @@ def test_repeats_are_one_configuration_with_a_spread(tmp_path):
             f.write(json.dumps(r) + "\n")
     rows, md = validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
     (row,) = rows
-    assert row["repeats"] == 3 and row["measured_s"] == 0.05 and (row["measured_low_s"], row["measured_high_s"]) == (0.04, 0.09)
+    assert (row["repeats"] == 3 and row["measured_s"] == 0.05
+            and (row["measured_low_s"], row["measured_high_s"]) == (0.04, 0.09))
     assert row["error_pct"] == pytest.approx(100 * (row["simulated_s"] - 0.05) / 0.05)
     assert row["within_spread"] == (0.04 <= row["simulated_s"] <= 0.09) and row["outside_cpu_share"] == 0.01
     text = md.read_text()
-    assert f"{int(row['within_spread'])}/1 within the measured spread" in text and "| 3 | 0.05 | 0.04..0.09 (±50%)" in text
+    assert (f"{int(row['within_spread'])}/1 within the measured spread" in text
+            and "| 3 | 0.05 | 0.04..0.09 (±50%)" in text)
     assert row["noise_pct"] > 0 and f"the repeats' own noise {row['noise_pct']:.1f}%." in text
     # the ranks' time on a CPU and waiting for one: medians over the repeats
     assert row["rank_cpu_share"] == pytest.approx(0.6) and row["rank_runqueue_share"] == pytest.approx(0.2)

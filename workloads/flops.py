@@ -118,5 +118,6 @@ def parameter_counts(w: Workload) -> dict[str, int]:
           + b.num_layers * layer(b.hidden_size, b.num_attention_heads, b.num_query_groups, b.ffn_hidden_size, True))
     gen = (b.hidden_size * g.hidden_size + w.latent_patch_dim * g.hidden_size * 2
            + TIMESTEP_FREQ_DIM * g.hidden_size + g.hidden_size ** 2
-           + g.num_layers * layer(g.hidden_size, g.num_attention_heads, g.num_attention_heads, g.ffn_hidden_size, False))
+           + g.num_layers * layer(g.hidden_size, g.num_attention_heads, g.num_attention_heads,
+                                  g.ffn_hidden_size, False))
     return {"encoder": enc, "backbone": bb, "generator": gen, "total": enc + bb + gen}

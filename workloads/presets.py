@@ -127,8 +127,8 @@ _PAPER_SOURCE = ("encoder: ViT-H/14 (Dosovitskiy et al. 2021, arXiv 2010.11929, 
 # sequence grows to 32K-128K tokens while each encoder input stays one tile (the `tiled` profile).
 _LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                   ffn_hidden_size=14336, vocab_size=128256)
-_LLAMA3_8B_SOURCE = ("Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads, "
-                     "FFN 14336, vocab 128256)")
+_LLAMA3_8B_SOURCE = ("Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, 32 heads, "
+                     "8 KV heads, FFN 14336, vocab 128256)")
 # Tokens per global batch kept at mllm-9b's 512 x 8192 = 4M (a workload choice): the batch in samples shrinks as
 # the sequence grows.
 _LONG_BATCH_TOKENS = 512 * 8192

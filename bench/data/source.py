@@ -66,7 +66,8 @@ class ColocatedSource:
         self._step, self._decoded = None, {}
         self.decodes = 0                  # samples decoded so far (for tests)
 
-    def microbatches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int | None = None) -> list[MicroBatch]:
+    def microbatches(self, step: int, dp_rank: int, dp_size: int,
+                     micro_batch_size: int | None = None) -> list[MicroBatch]:
         start = time.perf_counter()
         if step != self._step:            # a step's samples are never asked for again after it
             self._step, self._decoded = step, {}

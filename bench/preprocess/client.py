@@ -87,7 +87,8 @@ class DisaggregatedSource:
 
     # -- the interface ColocatedSource has
 
-    def microbatches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int | None = None) -> list[MicroBatch]:
+    def microbatches(self, step: int, dp_rank: int, dp_size: int,
+                     micro_batch_size: int | None = None) -> list[MicroBatch]:
         if self._closed:
             raise RuntimeError("DisaggregatedSource is closed")
         start = time.perf_counter()

@@ -50,7 +50,8 @@ class PreprocessService:
         self.num_workers = cfg.data.num_workers if num_workers is None else num_workers
         if self.num_workers < 1:
             from systems.base import ConfigError
-            raise ConfigError(f"data.num_workers={self.num_workers}: disaggregated preprocessing needs at least 1 worker")
+            raise ConfigError(f"data.num_workers={self.num_workers}: "
+                              "disaggregated preprocessing needs at least 1 worker")
         self.bind = bind or os.environ.get(BIND_ENV) or "127.0.0.1"
         self.advertise = os.environ.get(ADVERTISE_ENV) or (
             socket.getfqdn() if self.bind in ("0.0.0.0", "*", "::") else self.bind)

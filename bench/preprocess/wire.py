@@ -96,8 +96,8 @@ def _buffer(frame) -> memoryview:
 
 def _int(value, what: str, low: int = 0, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        raise ProtocolError(f"malformed header: {what} must be an integer in [{low}, {high if high is not None else 'inf'}], "
-                            f"got {value!r}")
+        raise ProtocolError(f"malformed header: {what} must be an integer in "
+                            f"[{low}, {high if high is not None else 'inf'}], got {value!r}")
     return value
 
 
@@ -198,7 +198,8 @@ def decode_microbatch(frames: list, header: dict | None = None) -> tuple[int | N
     specs = header.get("tensors")
     if not isinstance(specs, list) or len(specs) != len(names):
         raise ProtocolError(f"malformed header: expected {len(names)} tensor descriptions for {n_img} image and "
-                            f"{n_lat} latent groups, got {len(specs) if isinstance(specs, list) else type(specs).__name__}")
+                            f"{n_lat} latent groups, "
+                            f"got {len(specs) if isinstance(specs, list) else type(specs).__name__}")
     if len(frames) - 1 != len(names):
         raise ProtocolError(f"malformed message: the header describes {len(names)} tensors but "
                             f"{len(frames) - 1} data frames arrived")

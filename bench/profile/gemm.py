@@ -129,7 +129,8 @@ def gemm_table(grid=None, *, device: str = "cpu", dtype: str = "fp32", repeats: 
     table = {"device": device, "dtype": dtype, "threads": threads or torch.get_num_threads(), "grid": list(grid),
              "repeats": repeats, "operand_sets": sets, "rows": rows, "elapsed_s": time.perf_counter() - started,
              "method": ("torch.matmul per shape and kind (forward [m,k]x[k,n], dgrad [m,n]x[n,k], wgrad "
-                        "[k,m]x[m,n]); round-robin over shapes after warm-up, fastest of repeats (median recorded); with "
+                        "[k,m]x[m,n]); round-robin over shapes after warm-up, fastest of repeats "
+                        "(median recorded); with "
                         f"{sets} operand sets the median of each set's fastest; "
                         "predicted between grid points by bench.profile.gemm.predict_s")}
     table["leave_one_out_error"] = loo = leave_one_out_error(table)

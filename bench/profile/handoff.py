@@ -63,7 +63,8 @@ def measure_handoff(seq: int, rows: int, hidden: int, cores: int, *, iters: int 
     `idle_bridge_s`: the idle bridge transfer if just measured (bench.profile.bridge), not redone."""
     busy = max(0, 2 * cores - 2)
     nbytes = seq * rows * hidden * 4
-    idle_bridge = idle_bridge_s if idle_bridge_s is not None else measure_bridge(seq, rows, hidden, iters=iters)["wall_s"]
+    idle_bridge = (idle_bridge_s if idle_bridge_s is not None
+                   else measure_bridge(seq, rows, hidden, iters=iters)["wall_s"])
     idle_p2p = measure_p2p_one_way(nbytes, iters)
     with busy_cores(busy):
         loaded_bridge = measure_bridge(seq, rows, hidden, iters=iters)["wall_s"]

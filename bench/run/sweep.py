@@ -82,7 +82,8 @@ def load_sweep(path: Path) -> list[tuple]:
                 raise ConfigError(f"{path}: run #{i + 1} ({run.get('system')}): {e}") from None
             repeats = run.get("repeat", 1)
             if not isinstance(repeats, int) or repeats < 1:
-                raise ConfigError(f"{path}: run #{i + 1} ({run.get('system')}): repeat = {repeats!r}; give an integer >= 1")
+                raise ConfigError(f"{path}: run #{i + 1} ({run.get('system')}): repeat = {repeats!r}; "
+                                  "give an integer >= 1")
             planned.append((cfg, layout, repeats))
     if not planned:
         raise ConfigError(f"{path} has no [[run]] entries")

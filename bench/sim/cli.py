@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", type=int, required=True, help="devices in the simulated cluster")
     p.add_argument("--cluster", nargs="+", default=["h100"], metavar="CLUSTER",
                    help="h100 | h200 | cpu | cpu-profile FILE | FILE (a bench profile JSON)")
-    p.add_argument("--layout", default="auto", help="auto (the system's own layout search), a layout label, or a JSON object of options")
+    p.add_argument("--layout", default="auto",
+                   help="auto (the system's own layout search), a layout label, or a JSON object of options")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help=f"simulation settings ({', '.join(sorted(SETTABLE))}) or the system's options")
     p.add_argument("--tag", dest="tags", action="append", default=[], metavar="KEY=VALUE")

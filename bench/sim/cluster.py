@@ -33,10 +33,12 @@ class Cluster:
     gpus_per_node: int = 8
     # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s each way (NVIDIA H100 SXM5 datasheet).
     intra_node_bw: float = 450e9           # bytes/s per GPU per direction
-    intra_node_bw_source: str = "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU (bidirectional) -> 450 GB/s per direction"
+    intra_node_bw_source: str = ("NVIDIA H100 datasheet: NVLink 900 GB/s per GPU (bidirectional) "
+                                 "-> 450 GB/s per direction")
     # DGX H100: eight single-port ConnectX-7 400 Gb/s InfiniBand NDR, one per GPU -> 50 GB/s per GPU.
     inter_node_bw: float = 50e9
-    inter_node_bw_source: str = "NVIDIA DGX H100 datasheet: 8x 400 Gb/s ConnectX-7 InfiniBand -> 50 GB/s per GPU per direction"
+    inter_node_bw_source: str = ("NVIDIA DGX H100 datasheet: 8x 400 Gb/s ConnectX-7 InfiniBand "
+                                 "-> 50 GB/s per GPU per direction")
     # Per-hop latencies: typical order of NCCL small-message latency, an assumption.
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 8e-6
@@ -268,7 +270,8 @@ CLUSTERS = {
                     memory_source="NVIDIA H200 datasheet: 141 GB HBM3e", hbm_bw=4.8e12,
                     hbm_bw_source=("H200 141 GB HBM3e at 4.8 TB/s: NVIDIA H200 datasheet as cited by secondary "
                                    "sources (aiwiki.ai, lzwjava.github.io)"),
-                    intra_node_bw_source="NVIDIA H200 datasheet: NVLink 900 GB/s per GPU (bidirectional) -> 450 GB/s per direction"),
+                    intra_node_bw_source=("NVIDIA H200 datasheet: NVLink 900 GB/s per GPU (bidirectional) "
+                                          "-> 450 GB/s per direction")),
 }
 
 

@@ -157,7 +157,8 @@ def schedule_module_chain(stage_f, stage_b, links, m: int, v: int, tails=(0.0, 0
     f, b = np.asarray(stage_f, dtype=np.float64), np.asarray(stage_b, dtype=np.float64)
     p = len(f) - 2
     if len(links) != p * v + 1:
-        raise ValueError(f"links needs {p * v + 1} entries (encoder, {p * v - 1} backbone, generator), got {len(links)}")
+        raise ValueError(f"links needs {p * v + 1} entries (encoder, {p * v - 1} backbone, generator), "
+                         f"got {len(links)}")
     column = lambda t: np.concatenate([t[:1], np.tile(t[1:-1] / v, v), t[-1:]])   # chunk c of device s: c p + s
     clock = interleaved_1f1b(np.tile(column(f), (m, 1)), np.tile(column(b), (m, 1)), links, v, ends=True).stage_end
     return float(tail_ends(clock, [tails[0]] + [tails[1]] * p + [tails[2]]).max())

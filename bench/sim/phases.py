@@ -52,7 +52,8 @@ def _schedules_end(step: dict) -> float:
     """When the last rank ended its schedule: each rank loads its data, then runs it, so the
     latest of data wait + compute per rank. Ranks' data waits differ (a DeepSpeed rank waited
     2.1 s while the slowest schedule's rank waited ~0.1 s: the slowest wait plus the slowest
-    schedule put the schedules' end past the step's: 'after' read below zero). Records without per-rank data waits: those two."""
+    schedule put the schedules' end past the step's: 'after' read below zero). Records without
+    per-rank data waits: those two."""
     compute, waits = step["rank_phase_s"]["compute"], step.get("rank_data_wait_s")
     if waits and len(waits) == len(compute):
         return max(w + c for w, c in zip(waits, compute))

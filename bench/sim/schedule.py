@@ -125,7 +125,8 @@ class Chain:
     not wait for the other stages); stages of one `tail_group` id (>= 0) start their tails
     together, once all of them are done (stages that meet at a collective before their optimizer
     steps: DistTrain's modules at the whole model's gradient norm when it clips). `stall` ([S]
-    seconds, or None): how long each stage sleeps between two of its own operations, on the blocking transfers around them, beyond what `links` and the
+    seconds, or None): how long each stage sleeps between two of its own operations, on the blocking
+    transfers around them, beyond what `links` and the
     operations hold, with two busy processes per core (its and its peers' threads waiting for a
     core: bench.sim.cluster.Cluster.handoff_stall); it uses no core, and shared_1f1b charges the
     `stall_share` of it that the processes busy at that moment cause. `head` ([S] seconds, processes

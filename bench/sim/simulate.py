@@ -33,7 +33,8 @@ from workloads.presets import MODULES, Workload, get_workload
 
 
 def resolve_layout(w: Workload, system: str, options: dict | Layout, num_gpus: int, batch: int, mbs: int) -> Layout:
-    """The system's layout of `options` (defaults filled in) on at most num_gpus devices; ConfigError if it cannot run."""
+    """The system's layout of `options` (defaults filled in) on at most num_gpus devices; ConfigError if it
+    cannot run."""
     if isinstance(options, Layout):
         return options
     adapter = get_system(system)

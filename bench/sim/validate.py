@@ -1,7 +1,8 @@
 """python -m bench validate: the simulator against this machine's measured runs.
 
 For every measured, ok record that ran on the CPU, of a system that has a cost model
-(SystemAdapter.simulate_step), the same configuration is simulated (workload, data profile, global and micro batch, layout or
+(SystemAdapter.simulate_step), the same configuration is simulated (workload, data profile, global and
+micro batch, layout or
 plan, process count, the measured steps' very samples and the trainers' own data
 assignment) on a CPU cluster built from the measured profile of this machine
 (results/profiles/cpu-<workload>.json; measured first if missing), or from each of several
@@ -150,7 +151,8 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                                                           for x in runs)),
                "compute_work_s": float(statistics.median(statistics.median(x["schedule_work_s"]) for x in runs))}
     config = {"measured_config": cfg, "cluster": cluster.name, "profile": [path for _, path in profiles],
-              "processes": cluster.host["processes"], "cores": r["cores"], "steps": [s["step"] for s in record["steps"]],
+              "processes": cluster.host["processes"], "cores": r["cores"],
+              "steps": [s["step"] for s in record["steps"]],
               "data_order": cfg.get("data", {}).get("reorder", "none")}
     assumptions = {**cluster.assumptions(), "cost_model": C.__doc__.strip(),
                    "validation": ("same configuration as the measured run (its steps' samples, the trainers' "
@@ -363,6 +365,7 @@ def handle(args, results_path) -> int:
     errs = [abs(r["error_pct"]) for r in rows]
     summary = (f"mean |error| {statistics.fmean(errs):.1f}%, max {max(errs):.1f}%, "
                f"{sum(r['within_spread'] for r in rows)}/{len(rows)} within the measured spread, "
-               f"{sum(e <= GOAL_PCT for e in errs)}/{len(errs)} within {GOAL_PCT:g}%") if errs else "nothing to validate"
+               f"{sum(e <= GOAL_PCT for e in errs)}/{len(errs)} "
+               f"within {GOAL_PCT:g}%") if errs else "nothing to validate"
     print(f"[validate] {len(rows)} measured configurations vs simulated: {summary}; table {md}")
     return 0

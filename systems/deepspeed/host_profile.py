@@ -90,6 +90,7 @@ def flush_worker(rank: int, port: int, workload: str, data_profile: str | None, 
 
 
 def method() -> str:
-    return (f"ZeRO-{ZERO_STAGE}, overlap_comm off, fp32, the workload's whole model on every one of the processes (gloo, "
+    return (f"ZeRO-{ZERO_STAGE}, overlap_comm off, fp32, "
+            "the workload's whole model on every one of the processes (gloo, "
             "one thread each, all at once): seconds of leaving engine.coalesce_grad_reduction() with a gradient on "
             "every parameter (flush_s) and of the engine.step() after it (step_s), medians over the steps")

@@ -2,7 +2,8 @@
 
 Encoder, backbone and generator each get their own ranks and TP/DP (the backbone also PP),
 given as `--set plan=enc:TPxDP,llm:TPxPPxDP,gen:TPxDP` (`llm:TPxCPxPPxDP` for a context-parallel
-backbone, `cp_comm=a2a|ring`; simulated only: the measured runtime builds CP-less grids). Non-colocated modules form a module
+backbone, `cp_comm=a2a|ring`; simulated only: the measured runtime builds CP-less grids). Non-colocated
+modules form a module
 pipeline encoder -> backbone -> generator driven by a 1F1B schedule; megatron-core's
 HyperCommGrid, BridgeCommunicator and MultiModulePipelineCommunicator move activations into
 the destination's layout and gradients back; `--set vpp=V` gives each backbone PP rank V chunks
@@ -44,7 +45,8 @@ class DistTrainSystem(SystemAdapter):
         if rc and not simulated:
             raise ConfigError("recompute=True is modeled by the simulator only; measured runs keep activations")
         if ov and not simulated:
-            raise ConfigError("overlap=True is modeled by the simulator only; measured disttrain runs sync after the flush")
+            raise ConfigError("overlap=True is modeled by the simulator only; "
+                              "measured disttrain runs sync after the flush")
         colocated = options["placement"] == "colocated"
         if ov and colocated:
             raise ConfigError("overlap=True is modeled for the disaggregated placement only; drop it for colocated")

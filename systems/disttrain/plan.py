@@ -4,7 +4,8 @@ Syntax: `enc:TPxDP,llm:TPxPPxDP,gen:TPxDP`, or `llm:TPxCPxPPxDP` with a context-
 (CP > 1: each sequence split over CP ranks, systems.cp; three numbers mean CP = 1). The encoder
 and generator keep TPxDP: their inputs are bounded images, never split. The layout's label is the
 plan (the backbone printed with 3 numbers when CP = 1, 4 when CP > 1), prefixed "colocated " when
-colocated and suffixed "-ring" (ring CP), "-rc" (simulated recomputation), "-ov" (simulated overlap). Non-colocated (DistTrain's disaggregated
+colocated and suffixed "-ring" (ring CP), "-rc" (simulated recomputation), "-ov" (simulated overlap).
+Non-colocated (DistTrain's disaggregated
 orchestration): modules get disjoint, consecutive rank ranges in that order and the sizes
 add up to the process count. Colocated (heterogeneous parallelism on shared GPUs): every
 module spans all ranks with its own TP/DP, so each module's size equals the process count.

@@ -9,7 +9,8 @@ last backward when overlapped, as both searches run their plans). The exact simu
 
 Search space: TP powers of two <= gpus_per_node dividing the module's heads (and KV groups);
 PP dividing the backbone's layers; backbone CP a power of two, all-to-all or ring where
-systems.cp's rules admit it (encoder and generator: CP 1, their inputs are bounded images); backbone DP any, the global batch rounded to a multiple of
+systems.cp's rules admit it (encoder and generator: CP 1, their inputs are bounded images); backbone DP
+any, the global batch rounded to a multiple of
 DP x microbatch within kit.estimate.BATCH_TOLERANCE (plans for this runtime: DP dividing it);
 encoder/generator DP any >= 1 (they take images, not whole samples); GPUs in total <= num_gpus;
 per backbone, plain 1F1B and the fewest interleaving chunks (vpp) within VPP_TOLERANCE of its

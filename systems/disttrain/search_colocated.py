@@ -22,7 +22,8 @@ def _colocated_module(kit, w, st, cluster, key, ranks: int, tp: int, rc: bool, b
     dp = ranks // (tp * cp)
     samples = st.B / dp                               # per DP rank over the iteration
     if key == "backbone":
-        per_sample, tokens, mb_tokens = C.backbone_stage(w, 1, 0)[0], w.backbone.seq_length, st.mbs * w.backbone.seq_length / cp
+        per_sample, tokens, mb_tokens = (C.backbone_stage(w, 1, 0)[0], w.backbone.seq_length,
+                                         st.mbs * w.backbone.seq_length / cp)
     else:
         per_sample, tokens = st.flops[key], st.tokens[key]
         # one microbatch's images spread over the module's DP ranks, as the simulator spreads them

@@ -59,7 +59,8 @@ class MegatronSystem(SystemAdapter):
         # Interleaved: chunk v of this rank is virtual stage v x pp + pp_rank of the pp x vpp chunks.
         chunks = [MLLMStage(ctx.workload, tp_size=tp, pp_size=pp, pp_rank=self.pp_rank, pg=pg, dtype=ctx.dtype,
                             seed=ctx.seed, sequence_parallel=L.get("sp", False), vpp_size=vpp,
-                            vp_stage=v if vpp > 1 else None, attention=L["attention"]).to(ctx.device) for v in range(vpp)]
+                            vp_stage=v if vpp > 1 else None, attention=L["attention"]).to(ctx.device)
+                  for v in range(vpp)]
         self.config = chunks[0].config
         if ctx.device.type == "cpu":
             # Interleaved PP over gloo gives a wrong loss with batched p2p (../shared/notes/cpu-backends.md).
