@@ -48,6 +48,9 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     # the step and the DP = 1 finish_grad_sync apart, as the runs time them
     assert p["optimizer"]["grad_sync_dp1"]["s_per_param"] >= 0
     assert all(pt["grad_sync_s"] > 0 and pt["step_s"] > 0 for pt in p["optimizer"]["points"])
+    # the passes clipping adds (the scaling) or DistTrain's unclipped step skips (the norm), timed apart
+    assert all(0 < pt["grad_norm_s"] < pt["step_s"] and pt["clip_scale_s"] > 0 for pt in p["optimizer"]["points"])
+    assert {"grad_norm", "clip_scale"} <= set(p["optimizer"])
     assert p["data"]["mean_load_s_per_sample"] > 0
     assert p["comm"] is None                                 # --no-comm
     g = p["gemm"]                                            # a 3^3 GEMM table, 3 kinds each
@@ -360,7 +363,8 @@ def test_gloo_comm_measurement():
     for key in ("4/2", "4/4"):
         for kind in ("reduce_scatter", "all_gather", "allreduce"):
             f = g[key][kind]
-            assert f["latency_s"] > 0 and f["s_per_byte"] >= 0 and [n for n, _ in f["points"]] == [1024, 1 << 20, 2 << 20]
+            assert (f["latency_s"] > 0 and f["s_per_byte"] >= 0
+                    and [n for n, _ in f["points"]] == [1024, 1 << 20, 2 << 20])
     json.dumps(g, allow_nan=False)
 
 

@@ -28,6 +28,34 @@ def test_cpu_cluster_costs_overhead_slowdown_and_fp32():
     assert gpu.compute_slowdown == 1.0 and gpu.value_bytes == 2 and not gpu.host
 
 
+def test_the_optimizer_step_prices_the_norm_and_clip_passes_as_each_system_takes_them():
+    """The profile times megatron's step, which takes the gradient norm clipped or not, and apart
+    the norm and clip-scaling passes (bench.profile.measure.time_optimizer): DistTrain's modules
+    skip the norm unclipped (systems.mcore.step_by_model_norm), a clipped step adds the scaling.
+    A profile from before they were timed apart prices every step as megatron's unclipped one."""
+    from dataclasses import replace
+    cl = cpu_cluster(processes=4, cores=2)
+    fits = {"grad_norm": {"fixed_s": 1e-4, "s_per_param": 1e-10},
+            "clip_scale": {"fixed_s": 2e-4, "s_per_param": 2e-10}}
+    timed = replace(cl, host={**cl.host, "optimizer": {**cl.host["optimizer"], **fits}})
+    step = C.optimizer_time(1e6, timed)
+    assert step == C.optimizer_time(1e6, cl) == pytest.approx(2.0 * (0.001 + 1e-3))   # x the co-run slowdown
+    assert C.optimizer_time(1e6, timed, norm=False) == pytest.approx(step - 2.0 * (1e-4 + 1e-4))
+    assert C.optimizer_time(1e6, timed, clip=True) == pytest.approx(step + 2.0 * (2e-4 + 2e-4))
+    assert C.optimizer_time(1e6, cl, norm=False, clip=True) == step
+
+    def iteration(system, options, cluster, clip_grad):
+        return simulate(get_workload("small"), system, options, 4, cluster, clip_grad=clip_grad,
+                        num_batches=1)["iteration_time_s"]
+
+    megatron = {"pp": 2}            # its own step: unclipped as profiled, clipped + the scaling
+    assert iteration("megatron", megatron, timed, 0.0) == iteration("megatron", megatron, cl, 0.0)
+    assert iteration("megatron", megatron, timed, 1.0) > iteration("megatron", megatron, cl, 1.0)
+    disttrain = {"plan": "enc:1x1,llm:1x2x1,gen:1x1"}   # unclipped without the norm pass
+    assert iteration("disttrain", disttrain, timed, 0.0) < iteration("disttrain", disttrain, cl, 0.0)
+    assert iteration("disttrain", disttrain, timed, 1.0) > iteration("disttrain", disttrain, cl, 1.0)
+
+
 def test_a_cpu_profile_splits_forward_and_backward_as_it_measured_them():
     from bench.sim.cluster import cluster_from_profile
     from tests.test_validate import synthetic_profile
@@ -42,6 +70,25 @@ def test_a_cpu_profile_splits_forward_and_backward_as_it_measured_them():
     assert (fr, br) == (pytest.approx(f), pytest.approx(b + f))
     f, b = C.compute_fb(1e10, "encoder", 1, cl)
     assert f / (f + b) == pytest.approx(1 / 3)
+
+
+def test_deepspeeds_ranks_split_forward_and_backward_as_the_profile_did(monkeypatch):
+    """DeepSpeed's shared-core schedule reads each microbatch's forward and backward as compute_fb
+    splits them (the profile's measured shares), not a fixed 1:2."""
+    from bench.sim import schedule
+    from bench.sim.cluster import cluster_from_profile
+    from tests.test_validate import synthetic_profile
+    prof = synthetic_profile()
+    for m in prof["modules"].values():
+        m.update(forward_s=0.003, backward_s=0.001)                        # forward-heavy: 3/4
+    cl = cluster_from_profile(prof, processes=2, cores=1)
+    seen, shared = [], schedule.shared_1f1b
+    monkeypatch.setattr(schedule, "shared_1f1b",
+                        lambda chains, *a, **k: seen.extend(chains) or shared(chains, *a, **k))
+    simulate(get_workload("tiny"), "deepspeed", {"zero_stage": 1}, 2, cl, num_batches=1)
+    assert len(seen) == 2
+    for chain in seen:
+        assert chain.fwd.sum() / (chain.fwd.sum() + chain.bwd.sum()) == pytest.approx(0.75)
 
 
 def test_a_collective_is_read_as_measured_at_its_arrangement_else_extrapolated_else_a_ring():
@@ -59,7 +106,8 @@ def test_a_collective_is_read_as_measured_at_its_arrangement_else_extrapolated_e
         cl.host_slowdown * (3 * 0.001 + 4000 * 1e-9 * 2 * 3 / 4))
     four = replace(cl, host=dict(cl.host, dp_sync={"2/2": {"all_gather": pair},
                                                    "4/4": {"all_gather": {"latency_s": 0.004, "s_per_byte": 2e-9},
-                                                           "reduce_scatter": {"latency_s": 0.006, "s_per_byte": 3e-9}}}))
+                                                           "reduce_scatter": {"latency_s": 0.006,
+                                                                              "s_per_byte": 3e-9}}}))
     assert C.collective_time("all_gather", 4000.0, 4, False, four, ranks=4) == pytest.approx(0.004 + 4000 * 2e-9)
     # and DP syncs go through the same rule: a 4-rank DP group at 4 processes reads "4/4"
     params = 1000.0 / max(C.GRAD_BYTES, cl.value_bytes)

@@ -241,34 +241,59 @@ def time_optimizer(built, repeats, timer) -> dict:
     apart from it finish_grad_sync (the runs time them as two phases; at DP = 1 it is a
     reduce-scatter over a group of one, a copy of the gradient buffer: 0.04 s of 0.14 s for
     small-enc-heavy's 11.4M-parameter encoder on 4 Dec, which a larger group's measured
-    collective replaces)."""
+    collective replaces). Also on their own, the two passes clipping adds or takes away:
+    megatron's step takes the gradient norm even unclipped (ChainedOptimizer.step), which a
+    DistTrain module stepping on its own skips (systems.mcore.step_by_model_norm), and a clipped
+    step scales the gradients by clip / norm (on 7 Dec, `small`: norm 1.6-3.4 ms, scaling
+    2.1-5.8 ms, of steps of 15-59 ms)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
     from systems import mcore
     from systems.base import OptimConfig
     rows = []
     for name in MODULES:
         module, model, config = built[name]
         opt = mcore.build_optimizer([model], OptimConfig(), next(module.parameters()).dtype)
-        syncs, steps = [], []
-        for _ in range(repeats + 1):
+        times = {"step": [], "sync": [], "norm": [], "scale": []}
+
+        def ready_gradients():
             for p in model.parameters():         # a non-zero gradient in the buffers
                 if getattr(p, "main_grad", None) is not None:
                     p.main_grad.fill_(1e-4)
             t0 = timer.now()
             model.finish_grad_sync()
+            return t0
+
+        for _ in range(repeats + 1):
+            t0 = ready_gradients()
             t1 = timer.now()
             opt.step()
-            syncs.append(t1 - t0)
-            steps.append(timer.now() - t1)
-        rows.append((name, sum(p.numel() for p in module.parameters()), statistics.median(steps[1:]),
-                     statistics.median(syncs[1:])))
+            times["sync"].append(t1 - t0)
+            times["step"].append(timer.now() - t1)
+            ready_gradients()
+            opt.prepare_grads()
+            t0 = timer.now()
+            norm = opt.get_grad_norm()
+            t1 = timer.now()
+            for inner in getattr(opt, "chained_optimizers", [opt]):   # a factor below 1: the pass runs
+                clip_grad_by_total_norm_fp32(inner.get_parameters(), max_norm=norm / 2, total_norm=norm)
+            times["norm"].append(t1 - t0)
+            times["scale"].append(timer.now() - t1)
+        rows.append((name, sum(p.numel() for p in module.parameters()),
+                     *(statistics.median(times[k][1:]) for k in ("step", "sync", "norm", "scale"))))
         del opt
     params = [r[1] for r in rows]
-    a, b, r2 = fit_affine(params, [r[2] for r in rows])
-    ga, gb, gr2 = fit_affine(params, [r[3] for r in rows])
-    return {"fixed_s": a, "s_per_param": b, "r2": r2,
-            "grad_sync_dp1": {"fixed_s": ga, "s_per_param": gb, "r2": gr2},
-            "points": [{"module": n, "params": p, "step_s": t, "grad_sync_s": g} for n, p, t, g in rows],
-            "method": "megatron DistributedOptimizer (Adam) step per module at DP = 1, fitted as fixed + "
-                      "s_per_param x parameters; grad_sync_dp1: finish_grad_sync at DP = 1 (a reduce-scatter over "
-                      "a group of one), fitted the same way"}
+
+    def fit(column: int) -> dict:
+        a, b, r2 = fit_affine(params, [r[column] for r in rows])
+        return {"fixed_s": a, "s_per_param": b, "r2": r2}
+
+    return {**fit(2), "grad_sync_dp1": fit(3), "grad_norm": fit(4), "clip_scale": fit(5),
+            "points": [{"module": n, "params": p, "step_s": t, "grad_sync_s": g, "grad_norm_s": gn, "clip_scale_s": cs}
+                       for n, p, t, g, gn, cs in rows],
+            "method": "megatron DistributedOptimizer (Adam) step per module at DP = 1 (ChainedOptimizer.step, "
+                      "unclipped: it takes the gradient norm), fitted as fixed + s_per_param x parameters; "
+                      "grad_sync_dp1: finish_grad_sync at DP = 1 (a reduce-scatter over a group of one), "
+                      "grad_norm: get_grad_norm, clip_scale: clip_grad_by_total_norm_fp32 at a factor of 1/2, "
+                      "each fitted the same way"}
 

@@ -18,7 +18,8 @@ Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_p
     one image-resolution group, which the encoder / generator run as one dense batch);
   * memory: the RSS growth over a forward (activations held for backward) on CPU,
     torch.cuda.max_memory_allocated on a GPU;
-  * the optimizer: megatron's distributed Adam step per module, fitted as a + b x params;
+  * the optimizer: megatron's distributed Adam step per module, fitted as a + b x params, and
+    apart the gradient-norm and clip-scaling passes, fitted the same way;
   * data: decoding + preprocessing a sample (DatasetReader.load_sample), fitted as
     a + b x input-image pixels + c x output-image pixels, and collating a microbatch;
   * communication (CPU, unless --no-comm): gloo point-to-point ping-pong and all-reduce
@@ -200,7 +201,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_measurements": peaks,
         "timing_method": ("whole module forward and backward (megatron DDP-wrapped, TP = 1) on real preprocessed "
-                          "microbatches, passes over all of them in order, median of the passes; per-layer = module time / layers; modules run "
+                          "microbatches, passes over all of them in order, median of the passes; "
+                          "per-layer = module time / layers; modules run "
                           "encoder -> backbone -> generator with detached inputs, as between ranks"),
         "memory_method": ("activation_bytes: bytes of the distinct storages autograd saves for backward during "
                           "a module's forward (saved_tensors_hooks, an untimed pass per microbatch); "
@@ -258,7 +260,8 @@ def _measure_handoff(w, comm_result: dict | None, *, log) -> dict | None:
         log(f"[profile]   transfers on busy cores not measured: {e}")
         return comm_result
     log(f"[profile]   one transfer with {handoff['processes']} busy processes on {cores} cores: " + ", ".join(
-        f"{k} {handoff[k]['loaded_s'] * 1e3:.2f} ms (idle {handoff[k]['idle_s'] * 1e3:.2f})" for k in ("bridge", "p2p")))
+        f"{k} {handoff[k]['loaded_s'] * 1e3:.2f} ms (idle {handoff[k]['idle_s'] * 1e3:.2f})"
+        for k in ("bridge", "p2p")))
     return {**(comm_result or {}), "handoff": handoff}
 
 
@@ -336,7 +339,8 @@ def add_parser(sub) -> None:
                    help="time the DP collectives with this many processes in DP groups of each size (the runs' "
                         "largest process count; at most 2 skips it; default 4)")
     p.add_argument("--no-gemm", action="store_true", help="skip the GEMM timing table")
-    p.add_argument("--no-tp", action="store_true", help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
+    p.add_argument("--no-tp", action="store_true",
+                   help="skip timing the modules at TP 2 and side by side on every core (2+ processes)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of the TP-2 and side-by-side (co-run) "
                    "measurements, each ratio the median over them (default 9 and 7: fewer is quicker and noisier)")
     p.add_argument("--gemm-grid", default="", help="GEMM table sizes per axis, comma-separated "

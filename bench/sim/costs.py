@@ -490,12 +490,25 @@ def data_time(load_s: np.ndarray, samples, microbatches: int, cluster: Cluster) 
         "collate_s_per_microbatch"]
 
 
-def optimizer_time(params_shard, cluster: Cluster, optimizers: int = 1) -> float:
-    """`optimizers` optimizer steps over `params_shard` parameters in all (0 without a model)."""
+def optimizer_time(params_shard, cluster: Cluster, optimizers: int = 1, *, norm: bool = True,
+                   clip: bool = False) -> float:
+    """`optimizers` optimizer steps over `params_shard` parameters in all (0 without a model).
+
+    The profile times megatron's step, which takes the gradient norm even unclipped; `norm=False`
+    prices a step that skips it (a DistTrain module stepping on its own), `clip=True` adds the pass
+    that scales the gradients by clip / norm. That pass runs only when the norm exceeds the clip,
+    which the simulator cannot know: a clipped step is priced as if it always did (at most the
+    profile's clip_scale; 2-6 ms a step on `small` on this machine). Profiles taken before they
+    were timed apart (7 Dec) price every step as megatron's unclipped one."""
     o = (cluster.host or {}).get("optimizer")
     if not o:
         return 0.0
-    return cluster.host_slowdown * (optimizers * o["fixed_s"] + o["s_per_param"] * float(params_shard))
+
+    def affine(fit: dict | None) -> float:
+        return optimizers * fit["fixed_s"] + fit["s_per_param"] * float(params_shard) if fit else 0.0
+
+    t = affine(o) - (0.0 if norm else affine(o.get("grad_norm"))) + (affine(o.get("clip_scale")) if clip else 0.0)
+    return cluster.host_slowdown * max(t, 0.0)
 
 
 def harness_time(world: int, cluster: Cluster) -> float:

@@ -49,23 +49,28 @@ def simulate_step(layout, step, kit) -> StepCost:
     times, compute, max_etok, max_gtok, last_bwd = [], [], 0.0, 0.0, np.inf
     load, data, chains = host.load_s(bc), 0.0, []
     for mbl in per_rank:
-        t, per_mb = 0.0, []
+        t, per_mb, fwd_mb = 0.0, [], []
         for mb in mbl:
-            one = 0.0
+            one, fwd = 0.0, 0.0
             for x, k, tok in ((enc[mb].sum(), "encoder", etok[mb].sum()), (bb_flops * len(mb), "backbone",
                                seq * len(mb)), (gen[mb].sum(), "generator", gtok[mb].sum())):
                 calls = None if k == "backbone" or not host.measured(cluster) else bc.groups(k, mb)
-                one += float(sum(C.compute_fb(x, k, 1, cluster, rc, calls, shape=sh[k], tokens=tok)))
+                f, b = C.compute_fb(x, k, 1, cluster, rc, calls, shape=sh[k], tokens=tok)
+                one, fwd = one + float(f) + float(b), fwd + float(f)
             per_mb.append(one)
+            fwd_mb.append(fwd)
             t += one
             max_etok, max_gtok = max(max_etok, etok[mb].sum()), max(max_gtok, gtok[mb].sum())
         compute.append(t)
         mb_comm = [_zero3_exposed(O, comm, one, P, ov) for one in per_mb]
         times.append(t + sum(mb_comm))
-        last_bwd = min(last_bwd, 2 * per_mb[-1] / 3)
+        last_bwd = min(last_bwd, per_mb[-1] - fwd_mb[-1])
         data = max(data, C.data_time(load, [i for mb in mbl for i in mb], len(mbl), cluster))
-        work = (np.array(per_mb) + np.array(mb_comm))[:, None]
-        chains.append(schedule.Chain(work / 3, 2 * work / 3))
+        # forward and backward as the profile split them (compute_fb); ZeRO-3's exposed gathers 1:2
+        # as its collectives are (an all-gather before the forward; an all-gather and a reduce-scatter
+        # in the backward)
+        f, c = np.array(fwd_mb)[:, None], np.array(mb_comm)[:, None]
+        chains.append(schedule.Chain(f + c / 3, np.array(per_mb)[:, None] - f + 2 * c / 3))
     pipe = max(times)
     if cluster.shared_cores:                 # ranks that finish early free their core for the others
         pipe = schedule.shared_1f1b(chains, cluster.shared_cores, cluster.schedule_corun(),
@@ -77,7 +82,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         end = (0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
                                             bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
                                             gather_overlaps=False, gradient="allreduce")
-               + C.optimizer_time(P / dp if z >= 1 else P, cluster))
+               + C.optimizer_time(P / dp if z >= 1 else P, cluster, clip=step.clip_grad > 0))
     act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
            + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
            + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)

@@ -176,7 +176,9 @@ def simulate_step(layout, step, kit) -> StepCost:
     # every module's ranks meet at the whole model's norm (systems.mcore.step_by_model_norm).
     # Unclipped the runtime takes no norm, and nothing makes the backbone's stages meet: the
     # last stage steps while the first still runs its backwards (the runs' per-rank phases show
-    # it; until 6 Dec the stages met here: docs/validation-log.md, 6 Dec 21:00).
+    # it; until 6 Dec the stages met here: docs/validation-log.md, 6 Dec 21:00). Unclipped, its
+    # optimizer steps skip the norm pass megatron's own step takes (bench.sim.costs.optimizer_time).
+    clipped = step.clip_grad > 0
     mem, tail, ranks = [], np.zeros(S), np.zeros(S)
     for key, lay, inflight in (("encoder", E, encoder_inflight(pp, vpp, m)), ("generator", G, 1)):
         p = C.shard_params(sh[key], lay["tp"])
@@ -186,7 +188,7 @@ def simulate_step(layout, step, kit) -> StepCost:
         ranks[col] = lay["tp"] * lay["dp"]
         tail[col] = (_dp_sync(kit, p, lay["dp"], ranks[col] > gpn, cluster, ov, dev_f[0, col], dev_b[-1, col],
                               ranks[col] if shared else None)
-                     + _alone(C.optimizer_time(p / lay["dp"], cluster), cluster))
+                     + _alone(C.optimizer_time(p / lay["dp"], cluster, norm=clipped, clip=clipped), cluster))
     for s, (_, params, n) in enumerate(stages):
         chunk = C.activation_bytes(mbs * seq / cp, sh["backbone"], n / vpp, tp, rc)
         # the runtime's one extra warm-up forward for the generator (systems.pipeline_order)
@@ -197,8 +199,9 @@ def simulate_step(layout, step, kit) -> StepCost:
         tail[1 + s] = (_dp_sync(kit, params / tp, dp * cp, mp * dp > gpn, cluster, ov, dev_f[0, 1 + s],
                                 dev_b[-1, 1 + s],
                                 ranks[1 + s] if shared else None)
-                       + _alone(C.optimizer_time(params / tp / (dp * cp), cluster), cluster))
-    group = [0] * S if step.clip_grad > 0 else [-1] * S
+                       + _alone(C.optimizer_time(params / tp / (dp * cp), cluster, norm=clipped, clip=clipped),
+                                      cluster))
+    group = [0] * S if clipped else [-1] * S
     # Every rank preprocesses its own rows before its schedule (bench.data.source): per column, its
     # slowest rank's loading
     heads = _loading(C, host.load_s(bc), rows, pp, S, cluster) if rd is not None else np.zeros(S)

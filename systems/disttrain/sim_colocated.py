@@ -146,13 +146,15 @@ def simulate_step(layout, step, kit) -> StepCost:
                       else ahead.boundary(module, part, moves[module, part]))
         if j == 0:
             first = [[float(bc.per_sample("encoder")[[i for r in rows["encoder"] for i in r[0]]].sum()),
-                      size * bb_f, float(bc.per_sample("generator")[[i for r in rows["generator"] for i in r[0]]].sum())]]
+                      size * bb_f,
+                      float(bc.per_sample("generator")[[i for r in rows["generator"] for i in r[0]]].sum())]]
     total += ahead.wait()
     sync, opt, mem, data = 0.0, 0.0, 0.0, 0.0
+    clipped = step.clip_grad > 0        # unclipped, no norm pass (systems.mcore.step_by_model_norm)
     for k in MODULES:
         p, shards = C.shard_params(sh[k], lay[k]["tp"]), lay[k]["dp"] * lay[k]["cp"]     # optimizer over DP x CP
         sync += float(C.dp_sync_time(p, shards, P > cluster.gpus_per_node, cluster))
-        opt += C.optimizer_time(p / shards, cluster)
+        opt += C.optimizer_time(p / shards, cluster, norm=clipped, clip=clipped)
         toks = size // lay[k]["dp"] * seq / cp if k == "backbone" else tok[k]
         mem += (C.distributed_optimizer_bytes(p, shards, cluster.value_bytes)
                 + C.activation_bytes(toks, sh[k], sh[k].layers, lay[k]["tp"], rc))

@@ -109,10 +109,12 @@ def simulate_step(layout, step, kit) -> StepCost:
                 p += sh["generator"].params + C.padding_params(sh["generator"], tp)
                 a += C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, tp, rc, sp=False)
             p, chunk = p + params, chunk + [a]
-        act = kit.interleaved.peak_activations(s, pp, vpp, m, chunk) + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0)
+        act = (kit.interleaved.peak_activations(s, pp, vpp, m, chunk)
+               + (C.logits_bytes(w, mbs, mp) if s == pp - 1 else 0))
         mem.append(C.distributed_optimizer_bytes(p / tp, dp * cp, cluster.value_bytes) + act)
         stage_params.append(p / tp)
-        opt.append(C.optimizer_time(p / tp / (dp * cp), cluster))     # distributed optimizer: a 1/(dp cp) shard
+        # distributed optimizer: a 1/(dp cp) shard; megatron's step takes the norm clipped or not
+        opt.append(C.optimizer_time(p / tp / (dp * cp), cluster, clip=step.clip_grad > 0))
     host_s = max(opt) + C.harness_time(mp * pp * dp, cluster)
     sync, gather = _pipeline_sync(kit, stage_params, dp * cp, mp, mp * dp > gpn, cluster, ov, hide_f, hide_b,
                                   links[0] if links else 0.0)
