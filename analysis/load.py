@@ -26,7 +26,8 @@ RUN_COLUMNS = ("run_id", "mode", "cluster", "timestamp", "system", "workload", "
                "preprocess", "clip_grad", "samples_per_s", "tokens_per_s", "mfu", "mfu_encoder",
                "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
                "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source",
-               "config_key", "repeat", "outside_cpu_share", "load_average_1m", "busy_machine")
+               "config_key", "repeat", "outside_cpu_share", "load_average_1m", "busy_machine",
+               "samples_per_s_first_half", "samples_per_s_second_half")
 ALIASES = {  # short name -> json_normalize column
     "layout_label": "layout.label", "experiment": "tags.experiment", "plan_kind": "tags.plan_kind",
     "pipeline": "tags.pipeline",
@@ -104,6 +105,22 @@ def where_it_ran(record: dict) -> str:
     return device
 
 
+def half_rates(record: dict) -> tuple[float, float]:
+    """samples/s over the first and the second half of a measured run's measured steps (the
+    median step of each half; a middle step of an odd count goes to neither), else NaNs. Every
+    repeat measures the same steps, so a pattern within the runs is a bias the repeats' interval
+    cannot show; the two halves show whether a comparison holds over both."""
+    latencies = [s.get("latency_s") for s in record.get("steps", []) if not s.get("warmup")]
+    metrics = record.get("metrics") or {}
+    rate, step = metrics.get("samples_per_s"), metrics.get("step_time_s")
+    if (record.get("mode") != "measured" or len(latencies) < 4 or not rate or not step
+            or not all(isinstance(x, (int, float)) and x > 0 for x in latencies)):
+        return float("nan"), float("nan")
+    half = len(latencies) // 2
+    # the record's rate is samples per step over the median step (bench.metrics.throughput)
+    return tuple(rate * step / float(np.median(part)) for part in (latencies[:half], latencies[-half:]))
+
+
 def runs_frame(records: list[dict]) -> pd.DataFrame:
     flat = [{k: v for k, v in r.items() if k not in ("steps", "_source")} for r in records]
     runs = pd.json_normalize(flat) if flat else pd.DataFrame()
@@ -113,6 +130,9 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
     runs["n_steps"] = [len(r["steps"]) for r in records]
     runs["source"] = [r.get("_source", "") for r in records]
     runs["data_wait_fraction"] = [_data_wait_fraction(r) for r in records]
+    halves = [half_rates(r) for r in records]
+    runs["samples_per_s_first_half"] = [h[0] for h in halves]
+    runs["samples_per_s_second_half"] = [h[1] for h in halves]
     for col in RUN_COLUMNS:
         if col not in runs:
             runs[col] = np.nan

@@ -32,11 +32,13 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration of the ok records in `runs`: the first repeat's columns, with
     samples_per_s the median of the repeats, samples_per_s_low / _high its interval and
     samples_per_s_level what that interval covers (analysis.stats.Summary.level), n_repeats,
-    cv, repeat_values and experiments (every experiment its repeats served)."""
+    cv, repeat_values, repeat_halves (each repeat's samples/s over the first and the second half of
+    its measured steps: analysis.load.half_rates) and experiments (every experiment its repeats
+    served)."""
     good = ok(runs)
     if good.empty:
         return good.assign(samples_per_s_low=np.nan, samples_per_s_high=np.nan, samples_per_s_level=np.nan,
-                           n_repeats=0, cv=np.nan, repeat_values=None, experiments=None)
+                           n_repeats=0, cv=np.nan, repeat_values=None, repeat_halves=None, experiments=None)
     rows = []
     for _, g in good.groupby(repeat_key(good), sort=False):
         s = summarize(g["samples_per_s"])
@@ -44,6 +46,7 @@ def configurations(runs: pd.DataFrame) -> pd.DataFrame:
         row["samples_per_s"], row["samples_per_s_low"], row["samples_per_s_high"] = s.median, s.low, s.high
         row["samples_per_s_level"], row["n_repeats"], row["cv"] = s.level, s.n, s.cv
         row["repeat_values"] = list(g["samples_per_s"])
+        row["repeat_halves"] = (list(g["samples_per_s_first_half"]), list(g["samples_per_s_second_half"]))
         # The same configuration may serve several experiments (e.g. plan=auto choosing the main plan).
         row["experiments"] = sorted(set(g["experiment"].dropna().astype(str)))
         for col in MEDIAN_COLUMNS:

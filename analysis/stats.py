@@ -54,6 +54,12 @@ class Ratio:
     n_a: int
     n_b: int
 
+    def direction(self) -> int | None:
+        """1 where the interval lies above 1, -1 below, 0 where it holds 1, None without one."""
+        if self.n_a < 2 or self.n_b < 2 or math.isnan(self.low):
+            return None
+        return 1 if self.low > 1.0 else -1 if self.high < 1.0 else 0
+
     def verdict(self, faster: str = "faster", slower: str = "slower") -> str:
         """Words for the comparison: a direction only when the interval excludes 1."""
         if self.n_a < 2 or self.n_b < 2:

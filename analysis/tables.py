@@ -107,8 +107,25 @@ def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series) -> 
                 if not np.isnan(ratio.low):
                     inside = ratio.low <= t_base / t_sys <= ratio.high
                     words += f", {'inside' if inside else 'outside'} the measured interval"
-            lines += [f"- {system} vs {b}: {words}."]
+            lines += [f"- {system} vs {b}: {words}."] + _halves_line(best, system, b, candidates, ratio)
     return lines + [""] if lines else []
+
+
+def _halves_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole: Ratio) -> list[str]:
+    """The same ratio over the first and the second half of the runs' measured steps
+    (analysis.load.half_rates), and whether the verdict holds over both: every repeat measures
+    the same steps, so the repeats' interval cannot show a pattern within the runs."""
+    halves_a, halves_b = best.loc[a, "repeat_halves"], best.loc[b, "repeat_halves"]
+    if not isinstance(halves_a, tuple) or not isinstance(halves_b, tuple):
+        return []
+    k = (int(candidates[a]), int(candidates[b]))
+    ratios = [ratio_of_medians(x, y, chosen_from=k) for x, y in zip(halves_a, halves_b)]
+    if any(np.isnan(r.value) for r in ratios):
+        return []
+    held = ("the verdict holds over both halves" if all(r.direction() == whole.direction() for r in ratios)
+            else "**the verdict differs between the halves**: which steps are measured decides it")
+    return [f"  - over the first / second half of each run's measured steps: {ratios[0].verdict()} / "
+            f"{ratios[1].verdict()}; {held}."]
 
 
 def best_ratio(best: pd.DataFrame, a: str, b: str, candidates: pd.Series) -> tuple[Ratio, str]:
@@ -145,7 +162,9 @@ HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh
                "(Mann-Whitney, analysis.stats); a system is called faster or slower only when that "
                "interval excludes 1. Where each side is its best of several configurations, chosen on the "
                "same repeats, the interval keeps that choice from raising the chance of a verdict from noise "
-               "above 5% (analysis.stats.chosen_critical_count).")
+               "above 5% (analysis.stats.chosen_critical_count). Under each ratio, the same over the first and "
+               "the second half of each run's measured steps: every repeat measures the same steps, so a pattern "
+               "within the runs is a bias no interval over repeats can show.")
 
 
 def headline_section(runs: pd.DataFrame) -> list[str]:

@@ -310,6 +310,47 @@ def _repeats(system, speeds, start, key):
     return out
 
 
+def _windowed_repeats(system, first, second, start, key, rng):
+    """Repeats measuring 1 warm-up + 10 steps, the first five at `first` s a step, the last five at
+    `second` (2% noise a step), with the rates a run records (16 samples over the median step)."""
+    out = []
+    for k in range(5):
+        lat = [*(first * (1 + 0.02 * rng.standard_normal(5))), *(second * (1 + 0.02 * rng.standard_normal(5)))]
+        r = _repeats(system, [1.0], start + k, key)[0]
+        r["steps"] = [{"step": 0, "warmup": True, "latency_s": 9.0, "loss": 6.0}] + [
+            {"step": i + 1, "warmup": False, "latency_s": x, "loss": 6.0} for i, x in enumerate(lat)]
+        r["metrics"].update(samples_per_s=16 / float(np.median(lat)), step_time_s=float(np.median(lat)))
+        r["repeat"] = k + 1
+        out.append(r)
+    return out
+
+
+def test_a_comparison_says_whether_its_verdict_holds_over_both_halves_of_the_steps(tmp_path):
+    """Every repeat measures the same steps, so the interval cannot show a pattern within the runs:
+    the headline gives the ratio over each half of the measured steps (warm-up left out) and says
+    when the verdict differs between them."""
+    rng = np.random.default_rng(5)
+    recs = (_windowed_repeats("megatron", 1.0, 1.0, 0, "m", rng)
+            + _windowed_repeats("disttrain", 0.7, 1.0, 10, "t", rng)        # faster early only
+            + _windowed_repeats("deepspeed", 1.3, 1.3, 20, "d", rng))       # slower throughout
+    write_results(tmp_path / "r", recs)
+    runs = load_mod.load(tmp_path / "r").runs
+    first, second = (runs[runs["system"] == "disttrain"][c] for c in ("samples_per_s_first_half",
+                                                                         "samples_per_s_second_half"))
+    assert np.median(first) == pytest.approx(16 / 0.7, rel=0.03) and np.median(second) == pytest.approx(16, rel=0.03)
+    from analysis.report import headline_section
+    text = "\n".join(headline_section(runs))
+    vs_megatron = text.split("- disttrain vs megatron: ")[1].split("\n- ")[0]
+    assert ", faster" in vs_megatron.split("\n")[0]                      # over all its steps
+    assert "over the first / second half of each run's measured steps: 1.4" in vs_megatron
+    assert "**the verdict differs between the halves**" in vs_megatron
+    vs_deepspeed = text.split("- disttrain vs deepspeed: ")[1].split("\n- ")[0]
+    assert "faster / 1.3" in vs_deepspeed and "the verdict holds over both halves" in vs_deepspeed
+    # simulated records, and runs of fewer than 4 measured steps, have no halves
+    assert load_mod.half_rates({**recs[0], "mode": "simulated"}) != load_mod.half_rates(recs[0])
+    assert all(math.isnan(x) for x in load_mod.half_rates({**recs[0], "steps": recs[0]["steps"][:4]}))
+
+
 def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
     rng = np.random.default_rng(3)
     recs = (_repeats("megatron", 1.00 * (1 + 0.02 * rng.standard_normal(5)), 0, "m")
