@@ -86,6 +86,18 @@ def test_ring_and_activation_formulas():
     assert swiglu_gqa.activation_bytes_per_token == 14 * 100 + 4 * 100 / 4 + 6 * 300
 
 
+def test_dp_sync_moves_each_systems_gradient_dtype():
+    """Megatron's distributed optimizer reduce-scatters its fp32 main gradients (grad_reduce_in_fp32,
+    4 bytes) and all-gathers bf16 parameters (2); DeepSpeed ZeRO all-reduces in the model's bf16."""
+    lat0 = dataclasses.replace(H100, intra_node_latency=0.0)
+    bw = lat0.intra_node_bw
+    rs, ag = C.dp_sync_parts(1e9, 8, False, lat0)
+    assert rs == pytest.approx(C.ring_shard(4e9, 8, bw, 0.0)) and ag == pytest.approx(C.ring_shard(2e9, 8, bw, 0.0))
+    ar, ag_ds = C.dp_sync_parts(1e9, 8, False, lat0, gradient="allreduce")
+    assert ar == pytest.approx(C.ring_allreduce(2e9, 8, bw, 0.0)) and ag_ds == pytest.approx(ag)
+    assert rs == pytest.approx(2 * ag)            # 7/8 of 4 GB each way: twice the parameters' 2 GB
+
+
 def test_distributed_optimizer_bytes_per_parameter():
     # Megatron-LM docs/source/api-guide/dist_optimizer.md: bf16 params + fp32 grads 6 + 12/d, fp32 8 + 8/d
     assert C.distributed_optimizer_bytes(1e9, 8) == pytest.approx(1e9 * (6 + 12 / 8))

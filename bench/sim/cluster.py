@@ -94,7 +94,7 @@ class Cluster:
     # Host-side costs per iteration (CPU runs): optimizer {"fixed_s", "s_per_param"} per optimizer,
     # data {"s_per_sample", "s_per_input_pixel", "s_per_output_pixel", "collate_s_per_microbatch"}
     # per rank that preprocesses in the trainer, "collectives_per_step" world collectives (the
-    # harness's barriers and loss reductions), "dp_sync" the DP collectives measured per
+    # harness's barrier closing each step), "dp_sync" the DP collectives measured per
     # "processes/group" with "processes" the run's, "systems" what an adapter measured of its own
     # step (SystemAdapter.profile_host). Empty: not modelled (the GPU clusters).
     host: dict = field(default_factory=dict)
@@ -271,7 +271,12 @@ CLUSTERS = {
                     hbm_bw_source=("H200 141 GB HBM3e at 4.8 TB/s: NVIDIA H200 datasheet as cited by secondary "
                                    "sources (aiwiki.ai, lzwjava.github.io)"),
                     intra_node_bw_source=("NVIDIA H200 datasheet: NVLink 900 GB/s per GPU (bidirectional) "
-                                          "-> 450 GB/s per direction")),
+                                          "-> 450 GB/s per direction"),
+                    # the BasePOD reference architecture's node (8 single-port ConnectX-7, up to 400 Gb/s)
+                    # is the DGX H100's and the DGX H200's: it lists both GPUs' memory (fidelity-facts sec. 7)
+                    inter_node_bw_source=("NVIDIA DGX BasePOD reference architecture, Core Components (DGX H100 "
+                                          "/ H200): 8x 400 Gb/s ConnectX-7 InfiniBand -> 50 GB/s per GPU per "
+                                          "direction")),
 }
 
 
@@ -389,7 +394,9 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
         tp_busy=_per_tp(profile, "busy"),
         tp_side_by_side=_per_tp(profile, "side_by_side"),
         bridge=comm.get("bridge"), handoff=comm.get("handoff"),
-        host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 4,
+        # the harness's collectives inside a measured step: the barrier that closes it (bench/run/worker.py;
+        # the loss reduction and the per-rank gathers come after the step's clock stops)
+        host={"optimizer": profile.get("optimizer"), "data": profile.get("data"), "collectives_per_step": 1,
               "dp_sync": _dp_collectives(comm), "processes": procs, "systems": profile.get("systems") or {},
               "source": where})
     return c.with_slowdown(procs, cores, oversubscription) if oversubscription else c

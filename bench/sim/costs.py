@@ -20,8 +20,9 @@ at TP 8), its compute scaled by head_padding, its weights by padding_params and 
 activations by padding_activation_bytes. Pipeline p2p: tokens x hidden x 2 / TP bytes per microbatch and
 direction (scatter-gather over the TP ranks), a delay on the dependency edge.
 Data parallelism: at the end of the iteration each module's gradients are reduce-scattered
-and its parameters all-gathered (distributed optimizer / ZeRO-1,2: 2 bytes each, the same
-volume as one all-reduce), not overlapped with compute unless the system's layout says so
+and its parameters all-gathered (Megatron's distributed optimizer: fp32 gradients, 4 bytes each,
+MAIN_GRAD_BYTES, and bf16 parameters, 2; DeepSpeed ZeRO-1,2: 2 bytes each, the same volume as one
+all-reduce), not overlapped with compute unless the system's layout says so
 (bench.sim.overlap: bucketed, hidden behind backward / forward). ZeRO-3 instead gathers
 parameters for forward and backward and reduce-scatters gradients every microbatch.
 Context parallelism of the backbone (cp > 1): compute / cp per rank, TP collectives over each
@@ -68,9 +69,18 @@ from workloads import flops as F
 from workloads.presets import Workload
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
+# Megatron's DDP reduces gradients in its fp32 main-gradient buffer: grad_reduce_in_fp32, as the
+# runs wrap every module (systems.mcore.wrap_ddp) and as Megatron-LM sets for bf16 ("bfloat16
+# requires gradient accumulation and all-reduce to be performed in fp32", megatron/training/
+# arguments.py); DeepSpeed ZeRO reduces in its communication_data_type, the model's dtype unless
+# configured (deepspeed 0.19 runtime/engine.py), so bf16 there.
+MAIN_GRAD_BYTES = 4
 ACT_BYTES = 34           # per token and hidden unit of a GELU + MHA layer (Korthikanti et al. 2022)
 ACT_BYTES_FULL_RECOMPUTE = 2
 NON_TP_ACT_BYTES = 10    # per token and hidden unit: what sequence parallelism splits over TP (same paper)
+# megatron-core's vocab-parallel cross entropy casts the logits to fp32 and keeps the softmax, in
+# place, for the backward (tensor_parallel/cross_entropy.py: calculate_logits_max `.float()`,
+# exp_logits saved by save_for_backward): 4 bytes a logit per microbatch in flight at the last stage
 LOGIT_BYTES = 4
 
 
@@ -310,14 +320,15 @@ def dp_sync_parts(params_per_gpu, dp, spans_nodes, cluster: Cluster, *, ranks: i
     bench.sim.overlap says how much hides."""
     if gradient not in ("reduce_scatter", "allreduce"):
         raise ValueError(f"gradient reduction {gradient!r}; choose reduce_scatter or allreduce")
-    nbytes = np.asarray(params_per_gpu, dtype=np.float64) * max(GRAD_BYTES, cluster.value_bytes)
+    params = np.asarray(params_per_gpu, dtype=np.float64)
+    grad_bytes = MAIN_GRAD_BYTES if gradient == "reduce_scatter" else max(GRAD_BYTES, cluster.value_bytes)
+    value_bytes = max(WEIGHT_BYTES, cluster.value_bytes)
     alone = ((cluster.host or {}).get("optimizer") or {}).get("grad_sync_dp1")
     if alone and int(dp) == 1 and gradient == "reduce_scatter":
         # megatron's reduce-scatter over a group of one still copies the buffer (bench.profile.measure)
-        params = np.asarray(params_per_gpu, dtype=np.float64)
         return cluster.host_slowdown * (alone["fixed_s"] + alone["s_per_param"] * params), np.zeros_like(params)
-    return tuple(collective_time(kind, nbytes, dp, spans_nodes, cluster, ranks=ranks)
-                 for kind in (gradient, "all_gather"))
+    return (collective_time(gradient, params * grad_bytes, dp, spans_nodes, cluster, ranks=ranks),
+            collective_time("all_gather", params * value_bytes, dp, spans_nodes, cluster, ranks=ranks))
 
 
 def collective_time(kind: str, nbytes, group, spans_nodes, cluster: Cluster, *, ranks: int | None = None):
