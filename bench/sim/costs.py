@@ -43,8 +43,9 @@ module in megatron DDP with grad_reduce_in_fp32 and the distributed optimizer, a
 runs do): bf16 weight (2) + fp32 main gradient (4) + fp32 master weight, Adam m and v (12)
 sharded over DP: 6 + 12/d bytes per parameter; fp32 weights: 8 + 8/d (Megatron-LM
 docs/source/api-guide/dist_optimizer.md, table "bytes per parameter"). DeepSpeed ZeRO: 16
-bytes per parameter (bf16 weight 2, bf16 gradient 2, fp32 states 12), sharded by stage: 1 the
-12; 2 also the gradient; 3 everything. Activations per layer and token follow the derivation
+bytes per parameter (bf16 weight 2, bf16 gradient 2, fp32 states 12: "2Psi + 2Psi + K Psi" with K = 12
+for mixed-precision Adam, Rajbhandari et al. 2020, arXiv 1910.02054 sec. 3.1), sharded by stage:
+1 the 12; 2 also the gradient; 3 everything. Activations per layer and token follow the derivation
 of Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4: TP + sequence parallel, selective
 recompute of the attention core), redone for each module's own layer (bf16 values, dropout
 masks of 1 byte kept): attention 2h (QKV input) + 2h (Q) + 2h g/a (K) + 2h g/a (V) + 2h
