@@ -57,6 +57,7 @@ def _side(kit, w, st, cluster, key, tp, dp, samples, inflight, rc, overlap):
     fl, tk = samples * st.flops[key] / eff, samples * st.tokens[key] / eff
     f, b = C.module_fb(fl, tk, key, sh, sh.layers, tp, cluster, rc)
     hb = w.backbone.hidden_size
+    # across nodes, as the simulator prices a module boundary (systems.disttrain.sim)
     link = (C.p2p_time(tk, hb, tp, cluster, True) if key == "encoder"
             else C.p2p_time(samples * w.generator.num_cond_tokens / dp, hb, 1, cluster, True))
     params = C.shard_params(sh, tp)

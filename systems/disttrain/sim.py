@@ -144,6 +144,9 @@ def simulate_step(layout, step, kit) -> StepCost:
             row.append(float(bc.per_sample(key)[list(gm)].sum()))
         first.append([row[0], size * C.backbone_stage(w, 1, 0)[0], row[1]])
     hb = sh["backbone"].hidden
+    # A module boundary is priced on the inter-node link: the modules own disjoint ranks, laid out
+    # one module after another, so an encoder or generator rank's DP peers in the backbone's end
+    # stages sit on other nodes but for the few sharing its node (a pessimistic bound at 8 GPUs a node).
     if rd is not None:
         # The runtime moves the whole image canvas [rows, seq, hidden] (not only image tokens): at a
         # fan-in the backbone rank receives one message per encoder rank, at a fan-out the encoder
