@@ -295,15 +295,17 @@ def get_cluster(name: str | Cluster, workload=None) -> Cluster:
 def _physical_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
-# What `cpu_cluster` assumes when no profile of this machine exists (order of magnitude of
-# what bench/profile/profiler.py measured on a 2-core AMD EPYC VM, fp32, 1 thread per process:
-# 20-70 GFLOP/s per core, gloo on loopback ~100 us and ~1-3 GB/s). Only plan=auto uses it.
+# What `cpu_cluster` assumes when no profile of this machine exists: what `bench profile --workload
+# small` measured on the project's 2-core AMD EPYC VM (fp32, 1 thread per process, 7 Dec 2026 05:29
+# UTC, nothing else running): the matmul peak, each module's fitted rate over that peak and its
+# per-call overhead, gloo's 2-process send/recv and all-reduce fits. Only plan=auto uses it.
 CPU_DEFAULTS = {
-    "peak_flops": 50e9, "efficiency": {"encoder": 0.8, "backbone": 1.0, "generator": 0.8},
-    "overhead_s": {"encoder": 0.005, "backbone": 0.005, "generator": 0.005},
-    "p2p_latency_s": 150e-6, "p2p_bandwidth_Bps": 2e9, "allreduce_latency_s": 100e-6,
-    "allreduce_bandwidth_Bps": 1e9,
-    "source": "documented defaults (bench.sim.cluster.CPU_DEFAULTS), not a measurement of this machine",
+    "peak_flops": 9.8e10, "efficiency": {"encoder": 0.78, "backbone": 0.70, "generator": 0.75},
+    "overhead_s": {"encoder": 0.013, "backbone": 0.0, "generator": 0.014},
+    "p2p_latency_s": 130e-6, "p2p_bandwidth_Bps": 2.0e9, "allreduce_latency_s": 280e-6,
+    "allreduce_bandwidth_Bps": 1.2e9,
+    "source": ("bench.sim.cluster.CPU_DEFAULTS: the project VM's small profile of 7 Dec 2026, not a measurement "
+               "of this machine"),
 }
 
 
