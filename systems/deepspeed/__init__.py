@@ -184,6 +184,10 @@ class DeepSpeedSystem(SystemAdapter):
         if self.stage >= 1:
             # One coalesced reduction and one engine.step() per optimizer step (train_step).
             self.engine.set_gradient_accumulation_boundary(True)
+        else:
+            # ZeRO-0 would all-reduce inside the boundary microbatch's backward; train_step calls
+            # the same reduction (engine.allreduce_gradients) after the loop, so it times apart.
+            self.engine.enable_backward_allreduce = False
 
     def train_step(self, step: int) -> StepOutput:
         microbatches = self.ctx.data.microbatches(step, self.dp_rank, self.dp_size)
@@ -199,14 +203,14 @@ class DeepSpeedSystem(SystemAdapter):
         coalesce.__enter__()
         clock = PhaseClock()
         with clock.phase("compute"):
-            for mb in microbatches:
+            for i, mb in enumerate(microbatches):
                 lm, gen = engine(mb)
                 per_sample = lm + gen
                 sums.add_(torch.stack([per_sample.sum(), lm.sum(), gen.sum()]).detach().double().cpu())
                 # DeepSpeed divides by the accumulation steps and averages gradients over DP.
                 engine.backward(per_sample.mean())
-                if self.stage == 0:
-                    engine.step()   # ZeRO-0 steps the optimizer at the accumulation boundary only
+                if self.stage == 0 and i < len(microbatches) - 1:
+                    engine.step()   # ZeRO-0 counts microbatches in step(); the boundary's is below
             if self.stage in (1, 2):
                 # Same parameters on every rank in the reduction; ZeRO-0 zero-fills by itself and
                 # ZeRO-3's anchors give every parameter a gradient.
@@ -215,9 +219,10 @@ class DeepSpeedSystem(SystemAdapter):
                         p.grad = torch.zeros_like(p)
         with clock.phase("grad_sync"):
             coalesce.__exit__(None, None, None)      # ZeRO-1/2/3: the step's coalesced gradient reduction
+            if self.stage == 0:
+                engine.allreduce_gradients()         # at the accumulation boundary (setup)
         with clock.phase("optimizer"):
-            if self.stage >= 1:
-                engine.step()
+            engine.step()
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed made {engine.global_steps} optimizer steps by the end of step {step}")
         if engine.skipped_steps:
@@ -225,8 +230,7 @@ class DeepSpeedSystem(SystemAdapter):
         # Every rank is a replica that trained on its own samples: each reports those.
         norm = engine.get_global_grad_norm()         # before clipping; None where DeepSpeed skips it
         out = StepOutput(grad_norm=None if norm is None else float(norm))
-        if self.stage >= 1:                          # ZeRO-0 reduces and steps inside the loop: no phases
-            clock.fill(out)
+        clock.fill(out)
         out.loss_sum, out.lm_loss_sum, out.gen_loss_sum = sums.tolist()
         return out
 
