@@ -73,8 +73,9 @@ WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 2, 12
 # Megatron's DDP reduces gradients in its fp32 main-gradient buffer: grad_reduce_in_fp32, as the
 # runs wrap every module (systems.mcore.wrap_ddp) and as Megatron-LM sets for bf16 ("bfloat16
 # requires gradient accumulation and all-reduce to be done in fp32", megatron/training/
-# arguments.py, unless --grad-reduce-in-bf16); DeepSpeed ZeRO reduces in its communication_data_type, the model's dtype unless
-# configured (deepspeed 0.19 runtime/engine.py), so bf16 there.
+# arguments.py, unless --grad-reduce-in-bf16); DeepSpeed ZeRO reduces in its
+# communication_data_type, the model's dtype unless configured (deepspeed 0.19 runtime/engine.py),
+# so bf16 there.
 MAIN_GRAD_BYTES = 4
 ACT_BYTES = 34           # per token and hidden unit of a GELU + MHA layer (Korthikanti et al. 2022)
 ACT_BYTES_FULL_RECOMPUTE = 2
