@@ -120,10 +120,14 @@ def _halves_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whol
         return []
     k = (int(candidates[a]), int(candidates[b]))
     ratios = [ratio_of_medians(x, y, chosen_from=k) for x, y in zip(halves_a, halves_b)]
-    if any(np.isnan(r.value) for r in ratios):
+    # only where the whole run has a verdict and every repeat has both halves
+    if whole.direction() is None or any(np.isnan(r.value) or (r.n_a, r.n_b) != (whole.n_a, whole.n_b)
+                                        for r in ratios):
         return []
-    held = ("the verdict holds over both halves" if all(r.direction() == whole.direction() for r in ratios)
-            else "**the verdict differs between the halves**: which steps are measured decides it")
+    first, second = (r.direction() for r in ratios)
+    held = ("**the verdict differs between the halves**: which steps are measured decides it" if first != second
+            else "the verdict holds over both halves" if first == whole.direction()
+            else "both halves read alike, though not as the whole run does")
     return [f"  - over the first / second half of each run's measured steps: {ratios[0].verdict()} / "
             f"{ratios[1].verdict()}; {held}."]
 

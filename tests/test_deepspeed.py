@@ -150,6 +150,20 @@ def _own_step_end_profile(processes_measured: int) -> dict:
     return prof
 
 
+def test_simulated_zero0_all_reduces_without_the_parameter_all_gather():
+    """ZeRO-0 all-reduces the gradients and steps the whole model on every rank: its step ends
+    with the reduction alone, where ZeRO-1 also all-gathers the updated parameter shards."""
+    from bench.sim import costs as C
+    from bench.sim.cluster import CLUSTERS
+    from bench.sim.simulate import simulate
+    w = get_workload("mllm-9b")
+    params = sum(s.params for s in C.module_shapes(w).values())
+    reduce, gather = C.dp_sync_parts(params, 8, False, CLUSTERS["h100"], gradient="allreduce")
+    end = {z: simulate(w, "deepspeed", {"zero_stage": z, "overlap_comm": False}, 8, num_batches=1,
+                       global_batch_size=64)["after_pipeline_times_s"][0] for z in (0, 1)}
+    assert end[0] == pytest.approx(reduce) and end[1] == pytest.approx(reduce + gather)
+
+
 def test_measured_step_end_replaces_the_modelled_reduction_only_where_it_matches_the_run():
     """DeepSpeed's own flush + engine.step() as profiled (seconds per parameter) prices a ZeRO-1
     step's end on the CPU at the process count it was measured with; elsewhere the shared model."""

@@ -337,7 +337,8 @@ def cluster_from_profile(profile: dict, processes: int | None = None, cores: int
     (FLOP/s, as efficiency x the measured peak) and per-call overhead from the profile's fit;
     gloo all-reduce (every collective) and send/recv (every pipeline link) latency and
     bandwidth as measured;
-    fp32 on the wire; host costs (optimizer, data, harness collectives) as measured; and
+    fp32 on the wire; host costs (optimizer, data) as measured, and the harness's one barrier a
+    step at the measured all-reduce latency; and
     `oversubscription` ("shared", "uniform" or None) modelling processes sharing the cores.
     """
     mods = profile["modules"]

@@ -517,14 +517,15 @@ def optimizer_time(params_shard, cluster: Cluster, optimizers: int = 1, *, norm:
     if not o:
         return 0.0
 
-    def affine(fit: dict | None) -> float:
-        return optimizers * fit["fixed_s"] + fit["s_per_param"] * float(params_shard) if fit else 0.0
+    def affine(fit: dict | None) -> float:      # a fit's intercept may come out negative: a pass costs >= 0
+        return max(0.0, optimizers * fit["fixed_s"] + fit["s_per_param"] * float(params_shard)) if fit else 0.0
 
     t = affine(o) - (0.0 if norm else affine(o.get("grad_norm"))) + (affine(o.get("clip_scale")) if clip else 0.0)
     return cluster.host_slowdown * max(t, 0.0)
 
 
 def harness_time(world: int, cluster: Cluster) -> float:
-    """The benchmark loop's own world collectives per step (barriers, loss and busy-time reductions)."""
+    """The benchmark loop's own world collectives inside a measured step (the barrier closing it:
+    bench/run/worker.py; `collectives_per_step`), each a small all-reduce at the cluster's latency."""
     n = (cluster.host or {}).get("collectives_per_step", 0)
     return float(n * ring_allreduce(64.0, world, cluster.intra_node_bw, cluster.intra_node_latency)) if n else 0.0

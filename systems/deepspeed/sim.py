@@ -79,10 +79,15 @@ def simulate_step(layout, step, kit) -> StepCost:
     if own is not None:                      # reduction, optimizer and all-gather as measured
         end = own * P
     else:
-        end = (0.0 if z == 3 else O.dp_sync(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
-                                            bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
-                                            gather_overlaps=False, gradient="allreduce")
-               + C.optimizer_time(P / dp if z >= 1 else P, cluster, clip=step.clip_grad > 0))
+        # ZeRO-0 all-reduces and steps the whole model: no parameter all-gather, and its fp32 engine
+        # takes a gradient norm only to clip (engine._take_model_step); ZeRO-1/2 always take one
+        reduce, gather = ((0.0, 0.0) if z == 3 else
+                          O.dp_sync_split(P, dp, dp > cluster.gpus_per_node, cluster, overlap=ov,
+                                          bucket_params=O.DEEPSPEED_BUCKET_PARAMS, backward_s=float(last_bwd),
+                                          gather_overlaps=False, gradient="allreduce"))
+        end = (reduce + (gather if z >= 1 else 0.0)
+               + C.optimizer_time(P / dp if z >= 1 else P, cluster, norm=z >= 1 or step.clip_grad > 0,
+                                  clip=step.clip_grad > 0))
     act = (C.activation_bytes(mbs * seq, sh["backbone"], sh["backbone"].layers, 1, rc)
            + C.activation_bytes(max_etok, sh["encoder"], sh["encoder"].layers, 1, rc)
            + C.activation_bytes(max_gtok, sh["generator"], sh["generator"].layers, 1, rc)
