@@ -312,10 +312,12 @@ def _repeats(system, speeds, start, key):
 
 def _windowed_repeats(system, first, second, start, key, rng):
     """Repeats measuring 1 warm-up + 10 steps, the first five at `first` s a step, the last five at
-    `second` (2% noise a step), with the rates a run records (16 samples over the median step)."""
+    `second` (each a number, or one per repeat; 2% noise a step), with the rates a run records (16
+    samples over the median step)."""
     out = []
     for k in range(5):
-        lat = [*(first * (1 + 0.02 * rng.standard_normal(5))), *(second * (1 + 0.02 * rng.standard_normal(5)))]
+        f, s = (x[k] if isinstance(x, (list, tuple)) else x for x in (first, second))
+        lat = [*(f * (1 + 0.02 * rng.standard_normal(5))), *(s * (1 + 0.02 * rng.standard_normal(5)))]
         r = _repeats(system, [1.0], start + k, key)[0]
         r["steps"] = [{"step": 0, "warmup": True, "latency_s": 9.0, "loss": 6.0}] + [
             {"step": i + 1, "warmup": False, "latency_s": x, "loss": 6.0} for i, x in enumerate(lat)]
@@ -350,6 +352,20 @@ def test_a_comparison_says_whether_its_verdict_holds_over_both_halves_of_the_ste
     assert all(math.isnan(x) for x in load_mod.half_rates({**recs[0], "mode": "simulated"}))
     assert not any(math.isnan(x) for x in load_mod.half_rates(recs[0]))
     assert all(math.isnan(x) for x in load_mod.half_rates({**recs[0], "steps": recs[0]["steps"][:4]}))
+
+
+def test_halves_that_agree_with_each_other_but_not_with_the_whole_run_are_told_apart(tmp_path):
+    """Repeats fast early and slow late, or the other way round: every run's median step is the
+    same, so the whole run reads faster, while each half alone spreads too wide for a verdict."""
+    rng = np.random.default_rng(7)
+    swings = ([0.8, 1.1, 0.8, 1.1, 0.8], [1.1, 0.8, 1.1, 0.8, 1.1])
+    write_results(tmp_path / "r", _windowed_repeats("megatron", 1.0, 1.0, 0, "m", rng)
+                  + _windowed_repeats("disttrain", *swings, 10, "t", rng))
+    from analysis.report import headline_section
+    text = "\n".join(headline_section(load_mod.load(tmp_path / "r").runs))
+    line = text.split("- disttrain vs megatron: ")[1]
+    assert ", faster" in line.split("\n")[0]
+    assert "both halves read alike, though not as the whole run does" in line.split("\n")[1]
 
 
 def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
