@@ -36,15 +36,16 @@ def measured_phases(record: dict) -> dict | None:
     compute = [max(s["rank_phase_s"]["compute"]) for s in steps]
     after = [s["latency_s"] - _schedules_end(s) for s in steps]
     out = {"compute_s": statistics.median(compute), "after_compute_s": statistics.median(after)}
+
+    def summed(kind: str, phase: str) -> float:      # median over the steps of the ranks' sum
+        return statistics.median(sum(s[f"rank_{kind}_s"][phase]) for s in steps)
+
     if all(s.get("rank_phase_cpu_s") for s in steps):
-        out["compute_cpu_s"] = statistics.median(sum(s["rank_phase_cpu_s"]["compute"]) for s in steps)
-        out["optimizer_cpu_s"] = statistics.median(sum(s["rank_phase_cpu_s"]["optimizer"]) for s in steps)
-        out["optimizer_s"] = statistics.median(sum(s["rank_phase_s"]["optimizer"]) for s in steps)
-    if all(s.get("rank_phase_runqueue_s") for s in steps):
-        out["optimizer_runqueue_s"] = statistics.median(sum(s["rank_phase_runqueue_s"]["optimizer"]) for s in steps)
-    if all(s.get("rank_phase_process_cpu_s") for s in steps):
-        out["optimizer_process_cpu_s"] = statistics.median(sum(s["rank_phase_process_cpu_s"]["optimizer"])
-                                                           for s in steps)
+        out.update(compute_cpu_s=summed("phase_cpu", "compute"), optimizer_cpu_s=summed("phase_cpu", "optimizer"),
+                   optimizer_s=summed("phase", "optimizer"))
+    for kind in ("runqueue", "process_cpu"):
+        if all(s.get(f"rank_phase_{kind}_s") for s in steps):
+            out[f"optimizer_{kind}_s"] = summed(f"phase_{kind}", "optimizer")
     return out
 
 
