@@ -120,7 +120,25 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
             assert all(0 <= g <= s["latency_s"] for g in s["rank_gc_s"]) and all(n >= 0 for n in s["rank_gc_full"])
             assert len(s["rank_data_wait_s"]) == 2 and max(s["rank_data_wait_s"]) == s["data_wait_s"]
         assert 0 <= m["rank_gc_share"] < 1 and m["rank_gc_max_s"] >= 0
+        for s in r["steps"]:                # the fixed work timed on each rank after each step
+            assert set(s["rank_probe_cpu_s"]) == set(machine.SpeedProbe.KINDS)
+            assert all(len(v) == 2 and min(v) > 0 for v in s["rank_probe_cpu_s"].values())
+        assert set(m["probe_cpu_s"]) == set(machine.SpeedProbe.KINDS) and min(m["probe_cpu_s"].values()) > 0
         assert_step_phases(r, 2)            # megatron splits each rank's step into its phases
+
+
+def test_the_speed_probe_times_each_kind_of_work_in_cpu_seconds_and_only_on_one_thread():
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        probe = machine.SpeedProbe()
+        times = probe.run()
+        assert set(times) == set(machine.SpeedProbe.KINDS) and all(0 < t < 5 for t in times.values())
+        torch.set_num_threads(2)        # other threads' CPU time would be missed: no number at all
+        assert probe.run() is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_gc_clock_times_collections_and_counts_full_ones():

@@ -147,3 +147,47 @@ class Phases:
         now = time.time()
         self.durations[name] = round(now - self._last, 3)
         self._last = now
+
+
+class SpeedProbe:
+    """The same fixed work timed on every rank after every step, in this thread's CPU seconds.
+
+    The CPU time the same training step takes drifts by +-8% over minutes on this project's
+    virtual machine (docs/validation-log.md, 7 Dec 04:39): a state of the host (its clock
+    frequency, what shares its cores and caches) that nothing inside the VM reports. Timing a
+    fixed piece of work beside each step makes that state visible, one number per kind of work
+    the step is made of: `gemm` (a 256^3 matmul, compute), `dispatch` (tiny element-wise ops,
+    the framework's per-op overhead) and `memory` (a copy larger than the last-level cache). The
+    buffers are allocated once (64 MiB of host memory, in a CPU rank's peak RSS), so no step
+    pays the probe's page faults. ~8 ms a step, outside the step's timing. CPU seconds, not wall:
+    every rank probes at once, and waiting for a core is not the speed being measured. Runs only
+    with one intra-op thread (the CPU time of other threads would be missed); None otherwise."""
+
+    KINDS = ("gemm", "dispatch", "memory")
+    GEMM_REPEATS, DISPATCH_REPEATS, COPY_MIB = 8, 400, 32
+
+    def __init__(self):
+        import torch                     # here: the launcher imports this module and never probes
+        self._torch = torch
+        g = torch.Generator().manual_seed(0)
+        self._a, self._b = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+        self._product = torch.empty(256, 256)
+        self._small, self._small_out = torch.randn(256, generator=g), torch.empty(256)
+        self._big = torch.randn(self.COPY_MIB * 2**18, generator=g)
+        self._copy = torch.empty_like(self._big)
+        self.run()                       # first touches of every buffer, outside any measurement
+
+    def run(self) -> dict[str, float] | None:
+        torch = self._torch
+        if torch.get_num_threads() != 1:
+            return None
+        times, start = {}, time.thread_time()
+        for _ in range(self.GEMM_REPEATS):
+            torch.mm(self._a, self._b, out=self._product)
+        times["gemm"], start = time.thread_time() - start, time.thread_time()
+        for _ in range(self.DISPATCH_REPEATS):
+            torch.add(self._small, 1.0, out=self._small_out)
+        times["dispatch"], start = time.thread_time() - start, time.thread_time()
+        self._copy.copy_(self._big)
+        times["memory"] = time.thread_time() - start
+        return times

@@ -104,7 +104,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
     mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
     steps = []
     total = cfg.warmup + cfg.steps
-    machine_start, gc_clock = None, machine.GcClock()
+    machine_start, gc_clock, speed = None, machine.GcClock(), machine.SpeedProbe()
     for step in range(total):
         progress.beat("step", step)
         injector.before_step(step)
@@ -121,6 +121,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         latency = time.perf_counter() - start
         sched_after, gc_step = machine.thread_times(), (gc_clock.seconds - gc_before[0], gc_clock.full - gc_before[1])
         kernel = [a - b for a, b in zip(machine.kernel_time(), kernel_before)]
+        probe = speed.run() or dict.fromkeys(machine.SpeedProbe.KINDS, -1.0)     # -1: not probed
         # -1: not reported by this kernel
         sched = ([max(0.0, a - b) for a, b in zip(sched_after, sched_before)]
                  if sched_before and sched_after else [-1.0] * 3)
@@ -135,6 +136,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             "data_wait": source.wait_s - wait_before, "loss_sum": result.loss_sum, "grad_norm": grad_norm,
             "cpu": sched[0], "runqueue": sched[1], "helper_runqueue": sched[2],
             "gc_s": gc_step[0], "gc_full": gc_step[1], "sys": kernel[0], "faults": kernel[1],
+            **{f"probe.{k}": v for k, v in probe.items()},
             **{f"{key}.{p}": getattr(result, f"{key}_s").get(p, -1.0)
                for key in PHASE_TIMES for p in STEP_PHASES}}, world, device)
         if rank == 0:
@@ -158,6 +160,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             # seconds in the kernel and minor page faults (bench.run.machine.kernel_time)
             entry["rank_sys_s"] = [r["sys"] for r in per_rank]
             entry["rank_minor_faults"] = [int(r["faults"]) for r in per_rank]
+            if all(r[f"probe.{k}"] >= 0 for r in per_rank for k in probe):
+                # the same fixed work timed on every rank after the step (bench.run.machine.SpeedProbe)
+                entry["rank_probe_cpu_s"] = {k: [r[f"probe.{k}"] for r in per_rank] for k in probe}
             for key in PHASE_TIMES:
                 # the system's own split of each rank's step (systems.base.STEP_PHASES): wall, the
                 # training thread's CPU and runqueue seconds, all threads' CPU (systems.clock); -1: not reported
