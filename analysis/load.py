@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.speed import probe_seconds
 from bench.records import SkippedLine, scan_records
 from systems.base import baseline_names
 from workloads.flops import parameter_counts
@@ -27,7 +28,7 @@ RUN_COLUMNS = ("run_id", "mode", "cluster", "timestamp", "system", "workload", "
                "mfu_backbone", "mfu_generator", "data_wait_fraction", "encoder_load_imbalance",
                "generator_load_imbalance", "bubble_fraction", "step_time_s", "n_steps", "source",
                "config_key", "repeat", "outside_cpu_share", "load_average_1m", "busy_machine",
-               "samples_per_s_first_half", "samples_per_s_second_half")
+               "samples_per_s_first_half", "samples_per_s_second_half", "probe_s")
 ALIASES = {  # short name -> json_normalize column
     "layout_label": "layout.label", "experiment": "tags.experiment", "plan_kind": "tags.plan_kind",
     "pipeline": "tags.pipeline",
@@ -133,6 +134,7 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
     halves = [half_rates(r) for r in records]
     runs["samples_per_s_first_half"] = [h[0] for h in halves]
     runs["samples_per_s_second_half"] = [h[1] for h in halves]
+    runs["probe_s"] = probe_seconds(records)      # the machine's speed during the run (analysis.speed)
     for col in RUN_COLUMNS:
         if col not in runs:
             runs[col] = np.nan

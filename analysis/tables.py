@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
+from analysis import speed
 from analysis.repeats import best_layouts, configurations, repeat_key, with_speedups
 from analysis.stats import Ratio, ratio_of_medians, summarize
 from bench.bootstrap import noise_pct
@@ -90,11 +91,12 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
     return table
 
 
-def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series) -> list[str]:
+def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series, at_speed: dict) -> list[str]:
     """'<system> vs <baseline>: 1.02× [0.95, 1.10], no difference beyond the noise (±10%).' for
     each system under study against each baseline (best: best configuration per system, chosen
     among `candidates` of its configurations), with the simulator's predicted ratio where both
-    configurations were validated."""
+    configurations were validated, and the same at one speed of the machine (`at_speed`:
+    _at_one_speed)."""
     order = system_order(best.index)
     baselines = [s for s in order if is_baseline(s)]
     lines = []
@@ -107,7 +109,8 @@ def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series) -> 
                 if not np.isnan(ratio.low):
                     inside = ratio.low <= t_base / t_sys <= ratio.high
                     words += f", {'inside' if inside else 'outside'} the measured interval"
-            lines += [f"- {system} vs {b}: {words}."] + _halves_line(best, system, b, candidates, ratio)
+            lines += ([f"- {system} vs {b}: {words}."] + _halves_line(best, system, b, candidates, ratio)
+                      + _speed_line(best, system, b, candidates, ratio, at_speed))
     return lines + [""] if lines else []
 
 
@@ -130,6 +133,42 @@ def _halves_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whol
             else "both halves read alike, though not as the whole run does")
     return [f"  - over the first / second half of each run's measured steps: {ratios[0].verdict()} / "
             f"{ratios[1].verdict()}; {held}."]
+
+
+def _at_one_speed(group: pd.DataFrame) -> dict:
+    """The comparison's runs brought to one speed of the machine (analysis.speed): {"fit":
+    SpeedFit, "values": {repeat_key: adjusted samples/s of its repeats}, "probe": {repeat_key:
+    median probe seconds}}; {} where the runs carry too few probe times to fit."""
+    runs = ok(group)
+    runs = runs[(runs["mode"] == "measured") & (runs[speed.PROBE_COLUMN] > 0)]
+    if runs.empty:
+        return {}
+    keys = repeat_key(runs)
+    fitted = speed.fit(runs, keys)
+    if fitted is None:
+        return {}
+    values = speed.adjusted(runs, fitted)
+    return {"fit": fitted, "values": values.groupby(keys).agg(list).to_dict(),
+            "probe": runs[speed.PROBE_COLUMN].groupby(keys).median().to_dict()}
+
+
+def _speed_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole: Ratio, at_speed: dict) -> list[str]:
+    """The same ratio with every run at one speed of the machine, and how much faster the
+    machine ran during b's runs than during a's."""
+    key_a, key_b = best.loc[a, "repeat_key"], best.loc[b, "repeat_key"]
+    values = at_speed.get("values", {})
+    if key_a not in values or key_b not in values:
+        return []
+    k = (int(candidates[a]), int(candidates[b]))
+    ratio = ratio_of_medians(values[key_a], values[key_b], chosen_from=k)
+    if ratio.direction() is None:
+        return []
+    machine = at_speed["probe"][key_a] / at_speed["probe"][key_b]     # >1: the machine was slower during a's runs
+    changed = ("; **the machine's speed changes the verdict**" if whole.direction() is not None
+               and ratio.direction() != whole.direction() else "")
+    return [f"  - at one speed of the machine (analysis.speed; the fixed-work probe took {machine:.2f}× "
+            f"the CPU time during {a}'s runs that it took during {b}'s; {at_speed['fit'].describe()}): "
+            f"{ratio.verdict()}{changed}."]
 
 
 def best_ratio(best: pd.DataFrame, a: str, b: str, candidates: pd.Series) -> tuple[Ratio, str]:
@@ -195,7 +234,8 @@ def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict
                  "samples/s (median)": f"{r['samples_per_s']:.4g}",
                  "interval of the median": median_interval(r),
                  "CV %": num(".1f")(100 * r["cv"]), "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
-        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted, candidates)
+        md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted, candidates,
+                                                                      _at_one_speed(group))
     return md
 
 

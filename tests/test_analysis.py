@@ -368,6 +368,46 @@ def test_halves_that_agree_with_each_other_but_not_with_the_whole_run_are_told_a
     assert "both halves read alike, though not as the whole run does" in line.split("\n")[1]
 
 
+def _probed_repeats(system, rate, machine, start, key, rng):
+    """Repeats of one configuration on a machine whose speed changes between runs: a run at
+    `machine` (1 = the usual speed, 1.2 = its work takes 20% longer) takes that much more probe
+    CPU time and records rate * machine^-0.8 samples/s (1% noise)."""
+    out = _repeats(system, [rate / 3 * m ** -0.8 * (1 + 0.01 * rng.standard_normal()) for m in machine], start, key)
+    for r, m in zip(out, machine):
+        r["metrics"]["probe_cpu_s"] = {"gemm": 0.003 * m, "dispatch": 0.002 * m, "memory": 0.003 * m}
+    return out
+
+
+def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drift(tmp_path):
+    """disttrain is 1.10x megatron at any one speed of the machine, but its runs met the machine
+    slower: the raw repeats cannot tell the two apart, the runs brought to one probe time can."""
+    from analysis import speed
+    from analysis.report import headline_section
+    rng = np.random.default_rng(11)
+    machine_m, machine_t = [0.8, 1.2, 0.9, 1.1, 1.0], [1.2, 0.8, 1.1, 0.9, 1.25]
+    recs = _probed_repeats("megatron", 6.0, machine_m, 0, "m", rng) + _probed_repeats("disttrain", 6.6, machine_t, 10,
+                                                                                      "t", rng)
+    write_results(tmp_path / "r", recs)
+    runs = load_mod.load(tmp_path / "r").runs
+    assert runs["probe_s"].tolist() == pytest.approx([0.008 * m for m in machine_m + machine_t])
+    fitted = speed.fit(runs, runs["config_key"])
+    assert fitted.slope == pytest.approx(-0.8, abs=0.05) and fitted.r2 > 0.95 and fitted.runs == 10
+    line = "\n".join(headline_section(runs)).split("- disttrain vs megatron: ")[1]
+    assert "no difference beyond the noise" in line.split("\n")[0]
+    at_speed = line.split("at one speed of the machine")[1].split("\n")[0]
+    assert "1.1" in at_speed.split("): ")[1][:4] and ", faster" in at_speed
+    assert "the fixed-work probe took 1.10× the CPU time during disttrain's runs" in at_speed
+    assert "**the machine's speed changes the verdict**" in at_speed
+    # too few runs beyond one per configuration to trust a slope, or no probe: no such line
+    write_results(tmp_path / "few", recs[:3] + recs[5:8])
+    assert "at one speed of the machine" not in "\n".join(headline_section(load_mod.load(tmp_path / "few").runs))
+    for r in recs:
+        del r["metrics"]["probe_cpu_s"]
+    write_results(tmp_path / "none", recs)
+    assert "at one speed of the machine" not in "\n".join(headline_section(load_mod.load(tmp_path / "none").runs))
+    assert math.isnan(speed.probe_seconds([{"metrics": {"probe_cpu_s": {"gemm": -1.0}}}])[0])
+
+
 def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
     rng = np.random.default_rng(3)
     recs = (_repeats("megatron", 1.00 * (1 + 0.02 * rng.standard_normal(5)), 0, "m")
