@@ -152,18 +152,25 @@ def _at_one_speed(group: pd.DataFrame) -> dict:
             "probe": runs[speed.PROBE_COLUMN].groupby(keys).median().to_dict()}
 
 
-def _speed_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole: Ratio, at_speed: dict) -> list[str]:
-    """The same ratio with every run at one speed of the machine, and how much faster the
-    machine ran during b's runs than during a's."""
+def _ratio_at_speed(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, at_speed: dict) -> Ratio | None:
+    """best rows a over b with every run at one speed of the machine (_at_one_speed), where both
+    have adjusted repeats enough for an interval."""
     key_a, key_b = best.loc[a, "repeat_key"], best.loc[b, "repeat_key"]
     values = at_speed.get("values", {})
     if key_a not in values or key_b not in values:
+        return None
+    ratio = ratio_of_medians(values[key_a], values[key_b], chosen_from=(int(candidates[a]), int(candidates[b])))
+    return None if ratio.direction() is None else ratio
+
+
+def _speed_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole: Ratio, at_speed: dict) -> list[str]:
+    """The same ratio with every run at one speed of the machine, and how much more CPU time the
+    fixed work took during a's runs than during b's."""
+    ratio = _ratio_at_speed(best, a, b, candidates, at_speed)
+    if ratio is None:
         return []
-    k = (int(candidates[a]), int(candidates[b]))
-    ratio = ratio_of_medians(values[key_a], values[key_b], chosen_from=k)
-    if ratio.direction() is None:
-        return []
-    machine = at_speed["probe"][key_a] / at_speed["probe"][key_b]     # >1: the machine was slower during a's runs
+    probe = at_speed["probe"]
+    machine = probe[best.loc[a, "repeat_key"]] / probe[best.loc[b, "repeat_key"]]   # >1: slower during a's runs
     changed = ("; **the machine's speed changes the verdict**" if whole.direction() is not None
                and ratio.direction() != whole.direction() else "")
     return [f"  - at one speed of the machine (analysis.speed; the fixed-work probe took {machine:.2f}× "
@@ -207,7 +214,10 @@ HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh
                "same repeats, the interval keeps that choice from raising the chance of a verdict from noise "
                "above 5% (analysis.stats.chosen_critical_count). Under each ratio, the same over the first and "
                "the second half of each run's measured steps: every repeat measures the same steps, so a pattern "
-               "within the runs is a bias no interval over repeats can show.")
+               "within the runs is a bias no interval over repeats can show. Then the same ratio at one speed of the machine: "
+               "every rank times a fixed piece of work after every step, and each run's samples/s is brought to the "
+               "comparison's median probe time by one slope fitted within its configurations (analysis.speed; it "
+               "assumes that slope holds for every configuration, and the interval leaves out the slope's own error).")
 
 
 def headline_section(runs: pd.DataFrame) -> list[str]:
@@ -327,18 +337,28 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
         configs = configurations(runs[runs["experiment"] == experiment])
         if configs.empty or configs[variant].isna().all():
             continue
-        for (workload, system, cluster, devices), g in configs.groupby(["workload", "system", "cluster", "num_devices"],
-                                                                        sort=False):
-            best = g.loc[g.groupby(variant)["samples_per_s"].idxmax()].set_index(variant)
+        keys = ["workload", "system", "cluster", "num_devices"]
+        for group, g in configs.groupby(keys, sort=False):
+            workload, system, cluster, devices = group
+            best = g.loc[g.groupby(variant)["samples_per_s"].idxmax()]
+            best = best.assign(repeat_key=repeat_key(best)).set_index(variant)
             candidates = g.groupby(variant).size()
             present = [v for v in variants if v in best.index]
             if len(present) < 2:
                 continue
-            ref = present[0]
+            ref, measured = present[0], runs[runs["experiment"] == experiment]
+            at_speed = _at_one_speed(measured[(measured[keys] == pd.Series(group, index=keys)).all(axis=1)])
             lines += [f"- {experiment} · {system} · {workload} · {devices} devices ({cluster}): "
-                      + "; ".join(f"{v} vs {ref}: " + best_ratio(best, v, ref, candidates)[1] for v in present[1:])]
+                      + "; ".join(f"{v} vs {ref}: " + best_ratio(best, v, ref, candidates)[1]
+                                  + _at_speed_words(_ratio_at_speed(best, v, ref, candidates, at_speed))
+                                  for v in present[1:])]
     if not lines:
         return []
     return ["## Ablations: throughput against the reference variant", "",
-            "Ratio of median samples/s (best configuration of each variant) with its 95% interval.", "",
+            "Ratio of median samples/s (best configuration of each variant) with its 95% interval; in "
+            "brackets, the same at one speed of the machine where the runs carry its probe (analysis.speed).", "",
             *lines, ""]
+
+
+def _at_speed_words(ratio: Ratio | None) -> str:
+    return "" if ratio is None else f" (at one speed of the machine: {ratio.verdict()})"

@@ -300,11 +300,11 @@ def test_headline_ratios_come_from_the_main_runs(data):
     assert f"disttrain vs deepspeed: {best['disttrain'] / best['deepspeed']:.2f}×" in text
 
 
-def _repeats(system, speeds, start, key):
+def _repeats(system, speeds, start, key, **record):
     """Measured records of one configuration, one per repeat (samples/s = 3 x speed each)."""
     out = []
     for k, speed in enumerate(speeds):
-        r = _record(start + k, system, "small", 4, speed=speed, timeline=False)
+        r = _record(start + k, system, "small", 4, speed=speed, timeline=False, **record)
         r.update(config_key=key, repeat=k + 1)
         out.append(r)
     return out
@@ -368,11 +368,12 @@ def test_halves_that_agree_with_each_other_but_not_with_the_whole_run_are_told_a
     assert "both halves read alike, though not as the whole run does" in line.split("\n")[1]
 
 
-def _probed_repeats(system, rate, machine, start, key, rng):
+def _probed_repeats(system, rate, machine, start, key, rng, **record):
     """Repeats of one configuration on a machine whose speed changes between runs: a run at
     `machine` (1 = the usual speed, 1.2 = its work takes 20% longer) takes that much more probe
     CPU time and records rate * machine^-0.8 samples/s (1% noise)."""
-    out = _repeats(system, [rate / 3 * m ** -0.8 * (1 + 0.01 * rng.standard_normal()) for m in machine], start, key)
+    out = _repeats(system, [rate / 3 * m ** -0.8 * (1 + 0.01 * rng.standard_normal()) for m in machine], start, key,
+                   **record)
     for r, m in zip(out, machine):
         r["metrics"]["probe_cpu_s"] = {"gemm": 0.003 * m, "dispatch": 0.002 * m, "memory": 0.003 * m}
     return out
@@ -400,12 +401,26 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
     assert "**the machine's speed changes the verdict**" in at_speed
     # too few runs beyond one per configuration to trust a slope, or no probe: no such line
     write_results(tmp_path / "few", recs[:3] + recs[5:8])
-    assert "at one speed of the machine" not in "\n".join(headline_section(load_mod.load(tmp_path / "few").runs))
+    assert "  - at one speed of the machine (" not in "\n".join(headline_section(load_mod.load(tmp_path / "few").runs))
     for r in recs:
         del r["metrics"]["probe_cpu_s"]
     write_results(tmp_path / "none", recs)
-    assert "at one speed of the machine" not in "\n".join(headline_section(load_mod.load(tmp_path / "none").runs))
+    assert "  - at one speed of the machine (" not in "\n".join(headline_section(load_mod.load(tmp_path / "none").runs))
     assert math.isnan(speed.probe_seconds([{"metrics": {"probe_cpu_s": {"gemm": -1.0}}}])[0])
+
+
+def test_an_ablation_gives_its_ratio_at_one_speed_of_the_machine_too(tmp_path):
+    from analysis.report import ablation_section
+    rng = np.random.default_rng(12)
+    recs = (_probed_repeats("disttrain", 6.0, [0.8, 1.2, 0.9, 1.1, 1.0], 0, "none", rng, exp="reorder",
+                            data={"reorder": "none"})
+            + _probed_repeats("disttrain", 6.6, [1.2, 0.8, 1.1, 0.9, 1.25], 10, "both", rng, exp="reorder",
+                              data={"reorder": "both"}))
+    write_results(tmp_path / "r", recs)
+    line = next(x for x in ablation_section(load_mod.load(tmp_path / "r").runs) if x.startswith("- reorder"))
+    raw, at_speed = line.split("both vs none: ")[1].split(" (at one speed of the machine: ")
+    assert "no difference beyond the noise" in raw and ", faster" in at_speed
+    assert float(at_speed.split("×")[0]) == pytest.approx(1.1, abs=0.02)
 
 
 def test_repeats_give_medians_intervals_and_verdicts(tmp_path):
