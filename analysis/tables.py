@@ -153,11 +153,11 @@ def _at_one_speed(group: pd.DataFrame) -> dict:
 
 
 def _ratio_at_speed(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, at_speed: dict) -> Ratio | None:
-    """best rows a over b with every run at one speed of the machine (_at_one_speed), where both
-    have adjusted repeats enough for an interval."""
+    """best rows a over b with every run at one speed of the machine (_at_one_speed), where every
+    repeat of both carries a probe time and there are enough of them for an interval."""
     key_a, key_b = best.loc[a, "repeat_key"], best.loc[b, "repeat_key"]
     values = at_speed.get("values", {})
-    if key_a not in values or key_b not in values:
+    if any(len(values.get(best.loc[x, "repeat_key"], [])) != best.loc[x, "n_repeats"] for x in (a, b)):
         return None
     ratio = ratio_of_medians(values[key_a], values[key_b], chosen_from=(int(candidates[a]), int(candidates[b])))
     return None if ratio.direction() is None else ratio
@@ -214,10 +214,11 @@ HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh
                "same repeats, the interval keeps that choice from raising the chance of a verdict from noise "
                "above 5% (analysis.stats.chosen_critical_count). Under each ratio, the same over the first and "
                "the second half of each run's measured steps: every repeat measures the same steps, so a pattern "
-               "within the runs is a bias no interval over repeats can show. Then the same ratio at one speed of the machine: "
-               "every rank times a fixed piece of work after every step, and each run's samples/s is brought to the "
-               "comparison's median probe time by one slope fitted within its configurations (analysis.speed; it "
-               "assumes that slope holds for every configuration, and the interval leaves out the slope's own error).")
+               "within the runs is a bias no interval over repeats can show. Then the same ratio at one speed of "
+               "the machine: every rank times a fixed piece of work after every step, and each run's samples/s "
+               "is brought to the comparison's median probe time by one slope fitted within its configurations "
+               "(analysis.speed; it assumes that slope holds for every configuration, and the interval leaves out "
+               "the slope's own error).")
 
 
 def headline_section(runs: pd.DataFrame) -> list[str]:
