@@ -70,7 +70,8 @@ def test_wandb_step_log_carries_where_the_step_went():
             "rank_phase_s": {"compute": [0.6, 0.7], "grad_sync": [0.1, 0.05], "optimizer": [0.02, 0.03]},
             "rank_phase_cpu_s": {"compute": [0.5, 0.65], "grad_sync": [0.0, 0.01], "optimizer": [0.01, 0.02]},
             "rank_phase_runqueue_s": {"compute": [0.05, 0.0], "grad_sync": [0.0, 0.0], "optimizer": [0.004, 0.0]},
-            "rank_phase_process_cpu_s": {"compute": [0.6, 0.7], "grad_sync": [0.0, 0.02], "optimizer": [0.02, 0.02]}}
+            "rank_phase_process_cpu_s": {"compute": [0.6, 0.7], "grad_sync": [0.0, 0.02], "optimizer": [0.02, 0.02]},
+            "rank_probe_cpu_s": {"gemm": [0.003, 0.005], "dispatch": [0.002, 0.002], "memory": [0.004, 0.002]}}
     log = step_log(step)
     assert log["phase/compute(s)"] == 0.7 and log["phase/grad_sync(s)"] == 0.1 and log["phase/optimizer(s)"] == 0.03
     assert log["phase/compute_cpu(s)"] == pytest.approx(1.15) and log["phase/optimizer_cpu(s)"] == pytest.approx(0.03)
@@ -78,8 +79,10 @@ def test_wandb_step_log_carries_where_the_step_went():
     assert log["phase/optimizer_process_cpu(s)"] == pytest.approx(0.04)
     assert log["phase/data_wait_slowest_rank(s)"] == 0.2
     assert log["step_time(s)"] == 1.0 and log["loss"] == 2.0
+    assert log["machine/probe_gemm(s)"] == pytest.approx(0.004)
+    assert log["machine/probe_memory(s)"] == pytest.approx(0.003)
     bare = step_log({"step": 0, "latency_s": 0.1, "loss": 1.0})      # a system that does not split its step
-    assert not [k for k in bare if k.startswith("phase/")]
+    assert not [k for k in bare if k.startswith(("phase/", "machine/"))]
 
 
 def test_a_failing_wandb_mirror_warns_in_one_line_and_leaves_the_run_as_recorded(tmp_path, monkeypatch, capsys):

@@ -44,7 +44,8 @@ def step_log(step: dict) -> dict:
     """What W&B logs of one step: the losses, the step's time and data wait, and where the step
     went (bench.sim.phases reads the same fields): each phase's slowest rank, the ranks' summed
     training-thread CPU, all-thread CPU and runqueue seconds in each phase, the slowest rank's
-    data wait."""
+    data wait, and the machine's speed beside the step (the ranks' mean probe CPU seconds per
+    kind of fixed work: bench.run.machine.SpeedProbe)."""
     out = {"loss": step["loss"], "lm_loss": step.get("lm_loss"), "gen_loss": step.get("gen_loss"),
            "step_time(s)": step["latency_s"], "data_wait(s)": step.get("data_wait_s")}
     for phase, per_rank in (step.get("rank_phase_s") or {}).items():
@@ -54,4 +55,6 @@ def step_log(step: dict) -> dict:
             out[f"phase/{phase}_{kind}(s)"] = sum(per_rank)
     if step.get("rank_data_wait_s"):
         out["phase/data_wait_slowest_rank(s)"] = max(step["rank_data_wait_s"])
+    for kind, per_rank in (step.get("rank_probe_cpu_s") or {}).items():
+        out[f"machine/probe_{kind}(s)"] = sum(per_rank) / len(per_rank)
     return out
