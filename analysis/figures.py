@@ -16,13 +16,14 @@ from analysis import fig_ablation  # noqa: F401
 from analysis import fig_traces  # noqa: F401
 from analysis import fig_map  # noqa: F401
 from analysis import fig_hetero  # noqa: F401
+from analysis import fig_machine  # noqa: F401
 from analysis.load import Results
 from analysis.style import CAPTIONS, DPI, FIGURES, NoData
 
 __all__ = ["FIGURES", "CAPTIONS", "NoData", "Outcome", "draw_all"]
 # Report order; a figure not listed here follows, in registration order.
 ORDER = ("throughput", "mfu", "speedup", "scaling", "orchestration", "reorder", "preprocess", "interleaving",
-         "map", "loss", "timeline")
+         "map", "loss", "timeline", "machine_speed")
 
 
 @dataclass

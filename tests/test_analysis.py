@@ -87,7 +87,8 @@ def synthetic_records() -> list[dict]:
         for layout in layouts:  # main measured, two megatron layouts
             recs.append(_record(next(i), system, "tiny", 2, layout=layout.format(n=2, h=1),
                                 speed=SYSTEM_SPEED[system] * (0.85 if "tp2" in layout else 1)))
-        recs.append(_record(next(i), system, "small", 4, timeline=system != "megatron"))
+        recs.append(_record(next(i), system, "small", 4, timeline=system != "megatron",
+                            extra={"probe_cpu_s": {"gemm": 0.003, "dispatch": 0.002, "memory": 0.003}}))
         for n in (1, 4):
             recs.append(_record(next(i), system, "tiny", n, exp="scaling"))
         for workload in ("mllm-9b", "mllm-72b"):
@@ -233,7 +234,7 @@ def test_figure_without_data_is_skipped(tmp_path):
     d = tmp_path / "results"
     write_results(d, [_record(0, "disttrain", "tiny", 2)])
     data = load_mod.load(d)
-    for name in ("speedup", "scaling", "orchestration", "reorder", "preprocess", "interleaving"):
+    for name in ("speedup", "scaling", "orchestration", "reorder", "preprocess", "interleaving", "machine_speed"):
         with pytest.raises(NoData):
             FIGURES[name](data)
     outcomes = {o.name: o for o in draw_all(data, tmp_path / "out")}
@@ -399,6 +400,9 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
     assert "1.1" in at_speed.split("): ")[1][:4] and ", faster" in at_speed
     assert "the fixed-work probe took 1.10× the CPU time during disttrain's runs" in at_speed
     assert "**the machine's speed changes the verdict**" in at_speed
+    fig = FIGURES["machine_speed"](load_mod.load(tmp_path / "r"))       # the evidence, drawn
+    assert fig.axes[0].get_title().startswith("main: slope -0.8") and len(fig.axes[0].lines) == 2
+    plt.close(fig)
     # too few runs beyond one per configuration to trust a slope, or no probe: no such line
     write_results(tmp_path / "few", recs[:3] + recs[5:8])
     assert "  - at one speed of the machine (" not in "\n".join(headline_section(load_mod.load(tmp_path / "few").runs))
