@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
 from analysis import speed
+from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
 from analysis.repeats import best_layouts, configurations, repeat_key, with_speedups
 from analysis.stats import Ratio, ratio_of_medians, summarize
 from bench.bootstrap import noise_pct
