@@ -16,10 +16,10 @@ MAX_PANELS = 6
 
 @figure("machine_speed", "The machine's speed beside the runs: each measured run's samples/s against the "
         "CPU time its ranks took for the same fixed work after every step (log-log), one colour per "
-        "configuration, one panel per experiment; where the experiment has repeats enough, the lines are "
-        "the one slope analysis.speed fits within its configurations, which the report's ratios 'at one "
-        "speed of the machine' use. Spread along a line is the machine; the gap between lines, the "
-        "configurations.")
+        "configuration, one panel per experiment; where the experiment has repeats enough and the slope is "
+        "told from zero, the lines are the one slope analysis.speed fits within its configurations, which the "
+        "report's ratios 'at one speed of the machine' use. Spread along a line is the machine; the gap "
+        "between lines, the configurations.")
 def machine_speed(data):
     runs = ok(data.runs)
     runs = runs[(runs["mode"] == "measured") & (runs[speed.PROBE_COLUMN] > 0)]
@@ -39,7 +39,7 @@ def machine_speed(data):
             probe_ms, rate = 1e3 * mine[speed.PROBE_COLUMN], mine["samples_per_s"]
             label = f"{mine['system'].iloc[0]} {mine['layout_label'].iloc[0]} ({mine['workload'].iloc[0]})"
             ax.scatter(probe_ms, rate, color=color, s=18, label=label)
-            if fitted is not None and len(mine) > 1:
+            if fitted is not None and fitted.told_from_zero and len(mine) > 1:
                 # the fitted line through the configuration's mean in log-log
                 x = np.linspace(probe_ms.min(), probe_ms.max(), 20)
                 centre = np.exp(np.log(rate).mean()) * (x / np.exp(np.log(probe_ms).mean())) ** fitted.slope
@@ -49,7 +49,9 @@ def machine_speed(data):
         for axis in (ax.xaxis, ax.yaxis):          # log scales less than a decade wide: plain numbers
             axis.set_major_formatter(FormatStrFormatter("%g"))
             axis.set_minor_formatter(FormatStrFormatter("%g"))
-        ax.set_title(experiment + (f": slope {fitted.slope:.2f}, R² {fitted.r2:.2f}" if fitted else ""))
+        ax.set_title(experiment + ("" if fitted is None else f": slope {fitted.slope:.2f} ± "
+                                   f"{speed.t_975(fitted.dof) * fitted.slope_se:.2f}, R² {fitted.r2:.2f}"
+                                   + ("" if fitted.told_from_zero else " (not adjusted)")))
         ax.set_xlabel("fixed-work probe, CPU ms a step")
         ax.set_ylabel("samples/s")
         ax.legend(fontsize=6, loc="best")

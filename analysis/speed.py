@@ -15,7 +15,9 @@ as the raw ones (analysis.stats.ratio_of_medians). What this assumes, and the re
 slope for every configuration (a step that leans more on per-op overhead than on arithmetic could
 follow the machine differently); a probe the system under test does not slow (it runs when every
 rank has passed the step's closing barrier; its CPU seconds exclude waiting for a core); and the
-slope's own error is left out of the interval.
+slope's own error is left out of the interval. That last is why runs are adjusted only where the
+slope is told from zero (its 95% t interval excludes 0): on a steady machine the probe's spread
+is its own noise, a slope fitted to it is mostly error, and the report says it did not adjust.
 """
 from __future__ import annotations
 
@@ -30,17 +32,34 @@ PROBE_COLUMN = "probe_s"          # runs frame: the record's probe CPU seconds, 
 MIN_WITHIN_DOF = 4
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (any statistics table); 1.96 beyond.
+T_975 = {3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 12: 2.179,
+         15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def t_975(dof: int) -> float:
+    """The table's quantile at the largest tabulated dof <= `dof` (a little wide between rows)."""
+    return T_975[max(d for d in T_975 if d <= dof)] if dof < 1000 else 1.96
+
+
 @dataclass(frozen=True)
 class SpeedFit:
     slope: float          # d log(samples/s) / d log(probe seconds): -1 = the step follows the probe exactly
+    slope_se: float       # its standard error
+    dof: int              # runs - configurations - 1
     r2: float             # share of the within-configuration variance of log samples/s the probe explains
     reference_s: float    # the probe seconds every run is brought to: the median over the fitted runs
     runs: int
     configurations: int
 
+    @property
+    def told_from_zero(self) -> bool:
+        """Whether the slope's 95% t interval excludes 0: the runs are adjusted only then."""
+        return abs(self.slope) > t_975(self.dof) * self.slope_se
+
     def describe(self) -> str:
-        return (f"slope {self.slope:.2f}, R² {self.r2:.2f} within configurations, {self.runs} runs of "
-                f"{self.configurations} configurations")
+        return (f"slope {self.slope:.2f} ± {t_975(self.dof) * self.slope_se:.2f}, R² {self.r2:.2f} within "
+                f"configurations, {self.runs} runs of {self.configurations} configurations")
 
 
 def probe_seconds(records: list[dict]) -> list[float]:
@@ -67,8 +86,9 @@ def fit(runs: pd.DataFrame, configuration: pd.Series) -> SpeedFit | None:
         return None
     slope = float(xc @ yc) / float(xc @ xc)
     residual = yc - slope * xc
-    return SpeedFit(slope, 1.0 - float(residual @ residual) / float(yc @ yc), float(np.median(probe[usable])),
-                    len(y), configs)
+    rss, dof = float(residual @ residual), len(y) - configs - 1
+    return SpeedFit(slope, float(np.sqrt(rss / dof / float(xc @ xc))), dof, 1.0 - rss / float(yc @ yc),
+                    float(np.median(probe[usable])), len(y), configs)
 
 
 def adjusted(runs: pd.DataFrame, speed: SpeedFit) -> pd.Series:

@@ -147,6 +147,8 @@ def _at_one_speed(group: pd.DataFrame) -> dict:
     fitted = speed.fit(runs, keys)
     if fitted is None:
         return {}
+    if not fitted.told_from_zero:
+        return {"fit": fitted}                   # the headline says why it did not adjust
     values = speed.adjusted(runs, fitted)
     return {"fit": fitted, "values": values.groupby(keys).agg(list).to_dict(),
             "probe": runs[speed.PROBE_COLUMN].groupby(keys).median().to_dict()}
@@ -166,6 +168,9 @@ def _ratio_at_speed(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, a
 def _speed_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole: Ratio, at_speed: dict) -> list[str]:
     """The same ratio with every run at one speed of the machine, and how much more CPU time the
     fixed work took during a's runs than during b's."""
+    if "fit" in at_speed and not at_speed["fit"].told_from_zero:
+        return [f"  - at one speed of the machine: not adjusted, the probe's slope is not told from zero here "
+                f"({at_speed['fit'].describe()}): the machine held steady or the probe's own noise dominates."]
     ratio = _ratio_at_speed(best, a, b, candidates, at_speed)
     if ratio is None:
         return []
@@ -357,7 +362,8 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
         return []
     return ["## Ablations: throughput against the reference variant", "",
             "Ratio of median samples/s (best configuration of each variant) with its 95% interval; in "
-            "brackets, the same at one speed of the machine where the runs carry its probe (analysis.speed).", "",
+            "brackets, the same at one speed of the machine where the runs carry its probe and its slope is told "
+            "from zero (analysis.speed).", "",
             *lines, ""]
 
 

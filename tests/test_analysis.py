@@ -394,6 +394,7 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
     assert runs["probe_s"].tolist() == pytest.approx([0.008 * m for m in machine_m + machine_t])
     fitted = speed.fit(runs, runs["config_key"])
     assert fitted.slope == pytest.approx(-0.8, abs=0.05) and fitted.r2 > 0.95 and fitted.runs == 10
+    assert fitted.dof == 7 and fitted.told_from_zero and fitted.slope_se < 0.05
     line = "\n".join(headline_section(runs)).split("- disttrain vs megatron: ")[1]
     assert "no difference beyond the noise" in line.split("\n")[0]
     at_speed = line.split("at one speed of the machine")[1].split("\n")[0]
@@ -406,6 +407,14 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
     # too few runs beyond one per configuration to trust a slope, or no probe: no such line
     write_results(tmp_path / "few", recs[:3] + recs[5:8])
     assert "  - at one speed of the machine (" not in "\n".join(headline_section(load_mod.load(tmp_path / "few").runs))
+    # a steady machine: the probe's spread is its own noise, the rates' their own; no slope to trust
+    steady = _probed_repeats("megatron", 6.0, [1.0] * 5, 0, "m", rng) + _probed_repeats("disttrain", 6.6, [1.0] * 5,
+                                                                                         10, "t", rng)
+    for r in steady:
+        r["metrics"]["probe_cpu_s"] = {"gemm": 0.008 * (1 + 0.03 * rng.standard_normal())}
+    write_results(tmp_path / "steady", steady)
+    line = "\n".join(headline_section(load_mod.load(tmp_path / "steady").runs)).split("- disttrain vs megatron: ")[1]
+    assert "at one speed of the machine: not adjusted, the probe's slope is not told from zero" in line
     del recs[0]["metrics"]["probe_cpu_s"]          # one repeat without: the two sides are no longer alike
     write_results(tmp_path / "partial", recs)
     partial = "\n".join(headline_section(load_mod.load(tmp_path / "partial").runs))
