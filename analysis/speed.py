@@ -2,22 +2,25 @@
 
 Every rank times the same fixed work after every step (bench.run.machine.SpeedProbe); a record's
 metrics.probe_cpu_s holds the median CPU seconds of each kind of it. On this project's virtual
-machine the CPU time of that fixed work drifted by a quarter within 12 minutes, and the runs' step
-times followed it: within a configuration, log step time against log probe seconds, R^2 0.94 over
-16 runs of 4 configurations (docs/validation-log.md, 7 Dec 07:21). So most of the spread of the
-repeats is the machine's speed at the time, and it can be measured out.
+machine the CPU time of that fixed work drifted by a quarter within 12 minutes, and the runs'
+samples/s followed it: within a configuration, log samples/s against log probe seconds, R^2 0.94
+over 16 runs of 4 configurations (docs/validation-log.md, 7 Dec 07:21). So most of the spread of
+the repeats is the machine's speed at the time, and it can be measured out.
 
 The adjustment is the textbook one (analysis of covariance, configurations as fixed effects):
 one slope b of log samples/s on log probe seconds, fitted within the configurations of one
 comparison, and every run brought to the comparison's median probe time p0:
 adjusted = samples/s * (p0 / p)^b. The adjusted repeats are compared with the same rank interval
-as the raw ones (analysis.stats.ratio_of_medians). What this assumes, and the report says: one
-slope for every configuration (a step that leans more on per-op overhead than on arithmetic could
-follow the machine differently); a probe the system under test does not slow (it runs when every
-rank has passed the step's closing barrier; its CPU seconds exclude waiting for a core); and the
-slope's own error is left out of the interval. That last is why runs are adjusted only where the
-slope is told from zero (its 95% t interval excludes 0): on a steady machine the probe's spread
-is its own noise, a slope fitted to it is mostly error, and the report says it did not adjust.
+as the raw ones (analysis.stats.ratio_of_medians), widened by the slope's own 95% error times the
+two sides' difference in median log probe time (Ratio bounds: widened). What this assumes, and the
+report says, is one slope for every configuration (a step that leans more on per-op overhead than
+on arithmetic could follow the machine differently) and a probe that measures the machine, not
+the system under test. The probe runs after every rank has passed the step's closing barrier, but
+helper threads and disaggregated preprocessing workers may still run beside it and share its
+caches; so a comparison is adjusted only where the two sides' probe times do not differ beyond
+their own noise (probe_differs), and only where the slope is told from zero (its 95% t interval
+excludes 0): on a steady machine the probe's spread is its own noise and a slope fitted to it
+mostly error. Where either fails, the report says it did not adjust, and why.
 """
 from __future__ import annotations
 
@@ -26,11 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-PROBE_COLUMN = "probe_s"          # runs frame: the record's probe CPU seconds, summed over kinds
-# Runs beyond one per configuration the slope needs before it is trusted: with fewer, a slope
-# fitted to noise would move the verdicts it is meant to sharpen.
-MIN_WITHIN_DOF = 4
+from bench.run.machine import SpeedProbe
 
+PROBE_COLUMN = "probe_s"          # runs frame: the record's probe CPU seconds, summed over kinds
+# Residual degrees of freedom (runs - configurations - 1) the slope needs before it is fitted at
+# all: with fewer, its error is too wide to tell anything from zero.
+MIN_DOF = 3
+# The kinds of fixed work a probe time sums: a record that timed other kinds is not comparable.
+KINDS = frozenset(SpeedProbe.KINDS)
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (any statistics table); 1.96 beyond.
 T_975 = {3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 12: 2.179,
@@ -53,22 +59,28 @@ class SpeedFit:
     configurations: int
 
     @property
+    def half_width(self) -> float:
+        """Half the slope's 95% t interval."""
+        return t_975(self.dof) * self.slope_se
+
+    @property
     def told_from_zero(self) -> bool:
         """Whether the slope's 95% t interval excludes 0: the runs are adjusted only then."""
-        return abs(self.slope) > t_975(self.dof) * self.slope_se
+        return abs(self.slope) > self.half_width
 
     def describe(self) -> str:
-        return (f"slope {self.slope:.2f} ± {t_975(self.dof) * self.slope_se:.2f}, R² {self.r2:.2f} within "
-                f"configurations, {self.runs} runs of {self.configurations} configurations")
+        return (f"slope {self.slope:.2f} ± {self.half_width:.2f}, R² {self.r2:.2f} within configurations, "
+                f"{self.runs} runs of {self.configurations} configurations")
 
 
 def probe_seconds(records: list[dict]) -> list[float]:
-    """Each record's probe CPU seconds (the kinds summed), NaN where it has none."""
+    """Each record's probe CPU seconds (every kind of KINDS, summed), NaN where it has none."""
     out = []
     for r in records:
         probe = (r.get("metrics") or {}).get("probe_cpu_s")
-        ok = isinstance(probe, dict) and probe and all(isinstance(v, (int, float)) and v > 0 for v in probe.values())
-        out.append(float(sum(probe.values())) if ok else float("nan"))
+        usable = (isinstance(probe, dict) and set(probe) == KINDS
+                  and all(type(v) in (int, float) and v > 0 for v in probe.values()))
+        out.append(float(sum(probe.values())) if usable else float("nan"))
     return out
 
 
@@ -82,11 +94,13 @@ def fit(runs: pd.DataFrame, configuration: pd.Series) -> SpeedFit | None:
     y, x, g = np.log(rate[usable]), np.log(probe[usable]), configuration[usable]
     yc, xc = y - y.groupby(g).transform("mean"), x - x.groupby(g).transform("mean")
     configs = int(g.nunique())
-    if len(y) - configs < MIN_WITHIN_DOF or float(xc @ xc) <= 0 or float(yc @ yc) <= 0:
+    dof = len(y) - configs - 1
+    # a probe constant within every configuration leaves rounding residue, not a signal (logs: ~1e-16)
+    if dof < MIN_DOF or float(xc @ xc) <= 1e-20 * len(xc) or float(yc @ yc) <= 0:
         return None
     slope = float(xc @ yc) / float(xc @ xc)
     residual = yc - slope * xc
-    rss, dof = float(residual @ residual), len(y) - configs - 1
+    rss = float(residual @ residual)
     return SpeedFit(slope, float(np.sqrt(rss / dof / float(xc @ xc))), dof, 1.0 - rss / float(yc @ yc),
                     float(np.median(probe[usable])), len(y), configs)
 
@@ -95,3 +109,11 @@ def adjusted(runs: pd.DataFrame, speed: SpeedFit) -> pd.Series:
     """Each run's samples/s at the fit's reference probe time; NaN where the run has no probe."""
     probe = runs[PROBE_COLUMN].astype(float)
     return runs["samples_per_s"].astype(float) * (speed.reference_s / probe) ** speed.slope
+
+
+def widened(low: float, high: float, speed: SpeedFit, probe_a: list[float], probe_b: list[float]) -> tuple:
+    """A ratio's interval widened by the slope's own error: the adjustment moves a over b by
+    (median probe a / median probe b)^-slope, so the slope's 95% half-width moves it by up to
+    that factor to the power of the half-width, either way."""
+    shift = abs(float(np.median(np.log(probe_a)) - np.median(np.log(probe_b)))) * speed.half_width
+    return low * np.exp(-shift), high * np.exp(shift)

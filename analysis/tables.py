@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis import speed
+from analysis import at_speed
 from analysis.load import ABLATIONS, COMPARE_KEYS, VARIANTS, is_baseline, ok, sort_key, system_order
 from analysis.repeats import best_layouts, configurations, repeat_key, with_speedups
 from analysis.stats import Ratio, ratio_of_medians, summarize
@@ -91,12 +91,12 @@ def summary_table(runs: pd.DataFrame, baseline: str | None = None) -> pd.DataFra
     return table
 
 
-def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series, at_speed: dict) -> list[str]:
+def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series, speeds: dict) -> list[str]:
     """'<system> vs <baseline>: 1.02× [0.95, 1.10], no difference beyond the noise (±10%).' for
     each system under study against each baseline (best: best configuration per system, chosen
     among `candidates` of its configurations), with the simulator's predicted ratio where both
-    configurations were validated, and the same at one speed of the machine (`at_speed`:
-    _at_one_speed)."""
+    configurations were validated, and the same at one speed of the machine (`speeds`:
+    analysis.at_speed.at_one_speed of the comparison's runs)."""
     order = system_order(best.index)
     baselines = [s for s in order if is_baseline(s)]
     lines = []
@@ -110,7 +110,7 @@ def _ratio_lines(best: pd.DataFrame, predicted: dict, candidates: pd.Series, at_
                     inside = ratio.low <= t_base / t_sys <= ratio.high
                     words += f", {'inside' if inside else 'outside'} the measured interval"
             lines += ([f"- {system} vs {b}: {words}."] + _halves_line(best, system, b, candidates, ratio)
-                      + _speed_line(best, system, b, candidates, ratio, at_speed))
+                      + at_speed.speed_line(best, system, b, candidates, ratio, speeds))
     return lines + [""] if lines else []
 
 
@@ -133,54 +133,6 @@ def _halves_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whol
             else "both halves read alike, though not as the whole run does")
     return [f"  - over the first / second half of each run's measured steps: {ratios[0].verdict()} / "
             f"{ratios[1].verdict()}; {held}."]
-
-
-def _at_one_speed(group: pd.DataFrame) -> dict:
-    """The comparison's runs brought to one speed of the machine (analysis.speed): {"fit":
-    SpeedFit, "values": {repeat_key: adjusted samples/s of its repeats}, "probe": {repeat_key:
-    median probe seconds}}; {} where the runs carry too few probe times to fit."""
-    runs = ok(group)
-    runs = runs[(runs["mode"] == "measured") & (runs[speed.PROBE_COLUMN] > 0)]
-    if runs.empty:
-        return {}
-    keys = repeat_key(runs)
-    fitted = speed.fit(runs, keys)
-    if fitted is None:
-        return {}
-    if not fitted.told_from_zero:
-        return {"fit": fitted}                   # the headline says why it did not adjust
-    values = speed.adjusted(runs, fitted)
-    return {"fit": fitted, "values": values.groupby(keys).agg(list).to_dict(),
-            "probe": runs[speed.PROBE_COLUMN].groupby(keys).median().to_dict()}
-
-
-def _ratio_at_speed(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, at_speed: dict) -> Ratio | None:
-    """best rows a over b with every run at one speed of the machine (_at_one_speed), where every
-    repeat of both carries a probe time and there are enough of them for an interval."""
-    key_a, key_b = best.loc[a, "repeat_key"], best.loc[b, "repeat_key"]
-    values = at_speed.get("values", {})
-    if any(len(values.get(best.loc[x, "repeat_key"], [])) != best.loc[x, "n_repeats"] for x in (a, b)):
-        return None
-    ratio = ratio_of_medians(values[key_a], values[key_b], chosen_from=(int(candidates[a]), int(candidates[b])))
-    return None if ratio.direction() is None else ratio
-
-
-def _speed_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole: Ratio, at_speed: dict) -> list[str]:
-    """The same ratio with every run at one speed of the machine, and how much more CPU time the
-    fixed work took during a's runs than during b's."""
-    if "fit" in at_speed and not at_speed["fit"].told_from_zero:
-        return [f"  - at one speed of the machine: not adjusted, the probe's slope is not told from zero here "
-                f"({at_speed['fit'].describe()}): the machine held steady or the probe's own noise dominates."]
-    ratio = _ratio_at_speed(best, a, b, candidates, at_speed)
-    if ratio is None:
-        return []
-    probe = at_speed["probe"]
-    machine = probe[best.loc[a, "repeat_key"]] / probe[best.loc[b, "repeat_key"]]   # >1: slower during a's runs
-    changed = ("; **the machine's speed changes the verdict**" if whole.direction() is not None
-               and ratio.direction() != whole.direction() else "")
-    return [f"  - at one speed of the machine (analysis.speed; the fixed-work probe took {machine:.2f}× "
-            f"the CPU time during {a}'s runs that it took during {b}'s; {at_speed['fit'].describe()}): "
-            f"{ratio.verdict()}{changed}."]
 
 
 def best_ratio(best: pd.DataFrame, a: str, b: str, candidates: pd.Series) -> tuple[Ratio, str]:
@@ -221,9 +173,10 @@ HOW_TO_READ = ("Median samples/s over each configuration's repeats (each a fresh
                "the second half of each run's measured steps: every repeat measures the same steps, so a pattern "
                "within the runs is a bias no interval over repeats can show. Then the same ratio at one speed of "
                "the machine: every rank times a fixed piece of work after every step, and each run's samples/s "
-               "is brought to the comparison's median probe time by one slope fitted within its configurations "
-               "(analysis.speed; it assumes that slope holds for every configuration, and the interval leaves out "
-               "the slope's own error).")
+               "is brought to the comparison's median probe time by one slope fitted within its configurations, "
+               "the interval widened by the slope's own error (analysis.speed). It assumes one slope for every "
+               "configuration and a probe that times the machine, not the system; it adjusts only where the slope "
+               "is told from zero and the probe does not differ between the two sides, and otherwise says why not.")
 
 
 def headline_section(runs: pd.DataFrame) -> list[str]:
@@ -251,7 +204,7 @@ def _comparison(runs: pd.DataFrame, experiment: str, title: str, predicted: dict
                  "interval of the median": median_interval(r),
                  "CV %": num(".1f")(100 * r["cv"]), "MFU %": f"{100 * r['mfu']:.3g}"} for s, r in best.iterrows()]
         md += markdown_table(pd.DataFrame(rows)) + [""] + _ratio_lines(best, predicted, candidates,
-                                                                      _at_one_speed(group))
+                                                                      at_speed.at_one_speed(group))
     return md
 
 
@@ -343,7 +296,8 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
         configs = configurations(runs[runs["experiment"] == experiment])
         if configs.empty or configs[variant].isna().all():
             continue
-        keys = ["workload", "system", "cluster", "num_devices"]
+        keys = at_speed.group_keys(experiment)
+        probed = at_speed.probed(runs[runs["experiment"] == experiment])
         for group, g in configs.groupby(keys, sort=False):
             workload, system, cluster, devices = group
             best = g.loc[g.groupby(variant)["samples_per_s"].idxmax()]
@@ -352,20 +306,14 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
             present = [v for v in variants if v in best.index]
             if len(present) < 2:
                 continue
-            ref, measured = present[0], runs[runs["experiment"] == experiment]
-            at_speed = _at_one_speed(measured[(measured[keys] == pd.Series(group, index=keys)).all(axis=1)])
+            ref = present[0]
+            speeds = at_speed.at_one_speed(probed[(probed[keys] == pd.Series(group, index=keys)).all(axis=1)])
             lines += [f"- {experiment} · {system} · {workload} · {devices} devices ({cluster}): "
                       + "; ".join(f"{v} vs {ref}: " + best_ratio(best, v, ref, candidates)[1]
-                                  + _at_speed_words(_ratio_at_speed(best, v, ref, candidates, at_speed))
-                                  for v in present[1:])]
+                                  + at_speed.speed_words(best, v, ref, candidates, speeds) for v in present[1:])]
     if not lines:
         return []
     return ["## Ablations: throughput against the reference variant", "",
             "Ratio of median samples/s (best configuration of each variant) with its 95% interval; in "
-            "brackets, the same at one speed of the machine where the runs carry its probe and its slope is told "
-            "from zero (analysis.speed).", "",
+            "brackets, the same at one speed of the machine (analysis.speed), or why it was not adjusted.", "",
             *lines, ""]
-
-
-def _at_speed_words(ratio: Ratio | None) -> str:
-    return "" if ratio is None else f" (at one speed of the machine: {ratio.verdict()})"

@@ -402,16 +402,30 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
     assert "the fixed-work probe took 1.10× the CPU time during disttrain's runs" in at_speed
     assert "**the machine's speed changes the verdict**" in at_speed
     fig = FIGURES["machine_speed"](load_mod.load(tmp_path / "r"))       # the evidence, drawn
-    assert fig.axes[0].get_title().startswith("main: slope -0.8") and len(fig.axes[0].lines) == 2
+    title = fig.axes[0].get_title()
+    assert title.startswith("main · small · 4 devices\nslope -0.") and len(fig.axes[0].lines) == 2
     plt.close(fig)
-    # too few runs beyond one per configuration to trust a slope, or no probe: no such line
+    # a slope needs 3 residual degrees of freedom (5 runs of 2 configurations leave 2)
+    write_results(tmp_path / "five", recs[:3] + recs[5:7])
+    five = load_mod.load(tmp_path / "five").runs
+    assert speed.fit(five, five["config_key"]) is None
+    # 3 + 3 repeats: a slope, but too few repeats for a 95% interval, so no line
     write_results(tmp_path / "few", recs[:3] + recs[5:8])
+    few = load_mod.load(tmp_path / "few").runs
+    assert speed.fit(few, few["config_key"]).dof == 3
     assert "  - at one speed of the machine (" not in "\n".join(headline_section(load_mod.load(tmp_path / "few").runs))
+    # the probe itself slower during one side's runs, every time: it may time the systems, not the machine
+    apart = (_probed_repeats("megatron", 6.0, [0.8, 0.85, 0.9, 0.95, 1.0], 0, "m", rng)
+             + _probed_repeats("disttrain", 6.6, [1.1, 1.15, 1.2, 1.25, 1.3], 10, "t", rng))
+    write_results(tmp_path / "apart", apart)
+    line = "\n".join(headline_section(load_mod.load(tmp_path / "apart").runs)).split("- disttrain vs megatron: ")[1]
+    assert "at one speed of the machine: not adjusted, the probe itself took 1.33×" in line
     # a steady machine: the probe's spread is its own noise, the rates' their own; no slope to trust
     steady = _probed_repeats("megatron", 6.0, [1.0] * 5, 0, "m", rng) + _probed_repeats("disttrain", 6.6, [1.0] * 5,
                                                                                          10, "t", rng)
     for r in steady:
-        r["metrics"]["probe_cpu_s"] = {"gemm": 0.008 * (1 + 0.03 * rng.standard_normal())}
+        jitter = 1 + 0.1 * rng.standard_normal()
+        r["metrics"]["probe_cpu_s"] = {"gemm": 0.003, "dispatch": 0.002, "memory": 0.003 * jitter}
     write_results(tmp_path / "steady", steady)
     line = "\n".join(headline_section(load_mod.load(tmp_path / "steady").runs)).split("- disttrain vs megatron: ")[1]
     assert "at one speed of the machine: not adjusted, the probe's slope is not told from zero" in line

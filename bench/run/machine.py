@@ -157,11 +157,13 @@ class SpeedProbe:
     frequency, what shares its cores and caches) that nothing inside the VM reports. Timing a
     fixed piece of work beside each step makes that state visible, one number per kind of work
     the step is made of: `gemm` (a 256^3 matmul, compute), `dispatch` (tiny element-wise ops,
-    the framework's per-op overhead) and `memory` (a copy larger than the last-level cache). The
-    buffers are allocated once (64 MiB of host memory, in a CPU rank's peak RSS), so no step
-    pays the probe's page faults. ~8 ms a step, outside the step's timing. CPU seconds, not wall:
-    every rank probes at once, and waiting for a core is not the speed being measured. Runs only
-    with one intra-op thread (the CPU time of other threads would be missed); None otherwise."""
+    the framework's per-op overhead) and `memory` (32 MiB copied into another 32 MiB: together
+    twice the L3 of this project's VM). The buffers are allocated once (64 MiB of host memory, in
+    a CPU rank's peak RSS), so no step pays the probe's page faults. ~8 ms a step, outside the
+    step's timing; the copy leaves the caches cold for the next step, every system's alike. CPU
+    seconds, not wall: every rank probes at once, and waiting for a core is not the speed being
+    measured. Runs only with one intra-op thread (the CPU time of other threads would be missed);
+    None otherwise."""
 
     KINDS = ("gemm", "dispatch", "memory")
     GEMM_REPEATS, DISPATCH_REPEATS, COPY_MIB = 8, 400, 32

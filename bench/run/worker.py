@@ -121,7 +121,9 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         latency = time.perf_counter() - start
         sched_after, gc_step = machine.thread_times(), (gc_clock.seconds - gc_before[0], gc_clock.full - gc_before[1])
         kernel = [a - b for a, b in zip(machine.kernel_time(), kernel_before)]
-        probe = speed.run() or dict.fromkeys(machine.SpeedProbe.KINDS, -1.0)     # -1: not probed
+        times = speed.run() or {}
+        # the same names in the same order on every rank: _gather_named pairs values by position
+        probe = {k: times.get(k, -1.0) for k in machine.SpeedProbe.KINDS}           # -1: not probed
         # -1: not reported by this kernel
         sched = ([max(0.0, a - b) for a, b in zip(sched_after, sched_before)]
                  if sched_before and sched_after else [-1.0] * 3)
