@@ -82,8 +82,9 @@ def speed_line(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, whole:
 
 
 def speed_words(best: pd.DataFrame, a: str, b: str, candidates: pd.Series, at_speed: dict) -> str:
-    """An ablation's brackets: the ratio at one speed of the machine, or why not."""
+    """An ablation's brackets: the ratio at one speed of the machine, or that it was not adjusted
+    (why is the section's note: the headline's reasons would repeat for every variant)."""
     ratio, why = ratio_at_speed(best, a, b, candidates, at_speed)
     if ratio is None:
-        return f" ({why})" if why else ""
+        return " (not adjusted for the machine's speed)" if why else ""
     return f" (at one speed of the machine: {ratio.verdict()})"

@@ -315,5 +315,7 @@ def ablation_section(runs: pd.DataFrame) -> list[str]:
         return []
     return ["## Ablations: throughput against the reference variant", "",
             "Ratio of median samples/s (best configuration of each variant) with its 95% interval; in "
-            "brackets, the same at one speed of the machine (analysis.speed), or why it was not adjusted.", "",
+            "brackets, the same at one speed of the machine (analysis.speed), or \"not adjusted\" where the probe's "
+            "slope over the experiment's runs is not told from zero or the probe itself differs between the two "
+            "variants (the machine_speed figure shows each slope).", "",
             *lines, ""]
