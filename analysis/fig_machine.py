@@ -29,7 +29,7 @@ def machine_speed(data):
               for _, group in runs_of.groupby(at_speed.group_keys(experiment), sort=False)][:MAX_PANELS]
     ncols = min(len(panels), 2)
     nrows = -(-len(panels) // ncols)
-    fig, axes = new_figure(ncols=ncols, nrows=nrows, size=(FIGSIZE[0] * ncols / 1.4, 0.8 + 3.2 * nrows))
+    fig, axes = new_figure(ncols=ncols, nrows=nrows, size=(max(FIGSIZE[0], 5 * ncols), 0.8 + 3.2 * nrows))
     for ax, (title, group) in zip(axes, panels):
         keys = repeat_key(group)
         fitted = speed.fit(group, keys)
@@ -53,8 +53,8 @@ def machine_speed(data):
             title += (f"\nslope {fitted.slope:.2f} ± {fitted.half_width:.2f}, R² {fitted.r2:.2f}"
                       + ("" if fitted.told_from_zero else " (not adjusted)"))
         ax.set_title(title, fontsize=8)
-        ax.set_xlabel("fixed-work probe, CPU ms a step")
-        ax.set_ylabel("samples/s")
+        ax.set_xlabel("fixed-work probe (CPU ms a step)")
+        ax.set_ylabel("throughput (samples/s)")
         ax.legend(fontsize=6, loc="best")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
