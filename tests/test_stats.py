@@ -165,7 +165,7 @@ def test_at_one_speed_of_the_machine_claims_no_more_differences_from_noise_than_
 
 
 def test_at_one_speed_of_the_machine_tells_a_small_difference_the_raw_repeats_cannot():
-    """5% faster on a drifting machine: 12 + 12 raw repeats say so one time in ten (the drift is
+    """5% faster on a drifting machine: 12 + 12 raw repeats say so 8-10% of the time (the drift is
     most of their spread), the same runs at one speed of the machine seven times in ten, and the
     adjusted interval still covers the true 1.05."""
     rng = np.random.default_rng(6)
