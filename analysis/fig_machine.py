@@ -1,5 +1,5 @@
 """The machine's speed beside the runs: each measured run's samples/s against the CPU time of the
-fixed work its ranks timed after every step (bench.run.machine.SpeedProbe; analysis.speed)."""
+fixed work its ranks timed after every step (bench.speed.SpeedProbe; analysis.speed)."""
 from __future__ import annotations
 
 import numpy as np

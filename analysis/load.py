@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.speed import probe_seconds
+from bench.speed import probe_seconds
 from bench.records import SkippedLine, scan_records
 from systems.base import baseline_names
 from workloads.flops import parameter_counts

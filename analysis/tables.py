@@ -226,7 +226,7 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
     (min..max), the simulator's time for the same configuration (bench validate), the error,
     and whether the simulation lies within the measured spread."""
     cols = ["system", "workload", "layout", "nproc", "repeats", "measured median s", "spread", "simulated s",
-            "profiles' range", "error %", "within spread", "noise %"]
+            "profiles' range", "error %", "within spread", "at the runs' speed s", "error at speed %", "noise %"]
     need = {"tags.measured_run_id", "metrics.iteration_time_s"}
     if runs.empty or not need <= set(runs.columns):
         return pd.DataFrame(columns=cols)
@@ -240,6 +240,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
     simulated = sim.set_index("tags.measured_run_id")["metrics.iteration_time_s"]
     by_profile = (sim.set_index("tags.measured_run_id")["metrics.iteration_time_s_by_profile"]
                   if "metrics.iteration_time_s_by_profile" in sim.columns else None)
+    # brought to each run's machine speed (bench.sim.validate.at_run_speed); NaN where it was not
+    at_speed = sim.set_index("tags.measured_run_id").get("metrics.iteration_time_s_at_run_speed")
     rows = []
     for _, g in meas.groupby(repeat_key(meas.reset_index()).to_numpy(), sort=False):
         times = g["step_time_s"].astype(float)
@@ -250,13 +252,16 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
         span = (f"{np.median([min(b) for b in ranges]):.4g}..{np.median([max(b) for b in ranges]):.4g}"
                 if ranges else "")
         lo, hi = float(times.min()), float(times.max())
+        speed_s = at_speed.loc[g.index].astype(float) if at_speed is not None else pd.Series([np.nan])
+        speed_s = float(speed_s.median()) if speed_s.notna().all() else np.nan
         first = g.iloc[0]
         layout = first["layout_label"] + run_variant(first["preprocess"], first["reorder"], first["clip_grad"])
         rows.append({"system": first["system"], "workload": first["workload"], "layout": layout,
                      "nproc": int(first["num_devices"]), "repeats": s.n, "measured median s": s.median,
                      "spread": f"{lo:.4g}..{hi:.4g} (±{50 * (hi - lo) / s.median:.0f}%)", "simulated s": sim_s,
                      "profiles' range": span, "error %": 100.0 * (sim_s - s.median) / s.median,
-                     "within spread": lo <= sim_s <= hi, "noise %": noise_pct(times.tolist())})
+                     "within spread": lo <= sim_s <= hi, "at the runs' speed s": speed_s,
+                     "error at speed %": 100.0 * (speed_s - s.median) / s.median, "noise %": noise_pct(times.tolist())})
     df = pd.DataFrame(rows, columns=cols)
     return df.sort_values(["workload", "system", "nproc", "layout"], key=sort_key).reset_index(drop=True)
 
@@ -271,6 +276,8 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
                             "simulated s": table["simulated s"].map(num(".4g")),
                             "error %": table["error %"].map(num("+.1f")),
                             "within spread": table["within spread"].map({True: "yes", False: "no"}),
+                            "at the runs' speed s": table["at the runs' speed s"].map(num(".4g")),
+                            "error at speed %": table["error at speed %"].map(num("+.1f")),
                             "noise %": table["noise %"].map(num(".1f"))})
     md += ["Each measured CPU configuration simulated on a CPU cluster built from this machine's profile "
            "(`python -m bench profile`, `python -m bench validate`); error = (simulated - median of the "
@@ -284,6 +291,13 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
                f"{int((err <= 10).sum())}/{len(table)} within 10%. The repeats' own noise: a model exact on "
                f"average would read {table['noise %'].mean():.1f}% off these medians (bench.bootstrap.noise_pct).",
            ""]
+    adjusted = table[table["error at speed %"].notna()]
+    if not adjusted.empty:
+        at_speed, as_profiled = adjusted["error at speed %"].abs(), adjusted["error %"].abs()
+        md += [f"At the runs' speed (each profile brought to each repeat's probe time, bench.sim.validate."
+               f"at_run_speed): {len(adjusted)} configurations, mean |error| {at_speed.mean():.1f}% (as profiled: "
+               f"{as_profiled.mean():.1f}%), max {at_speed.max():.1f}%, {int((at_speed <= 10).sum())}/{len(adjusted)} "
+               f"within 10%.", ""]
     return md
 
 

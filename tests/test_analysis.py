@@ -384,6 +384,7 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
     """disttrain is 1.10x megatron at any one speed of the machine, but its runs met the machine
     slower: the raw repeats cannot tell the two apart, the runs brought to one probe time can."""
     from analysis import speed
+    from bench import speed as bench_speed
     from analysis.report import headline_section
     rng = np.random.default_rng(11)
     machine_m, machine_t = [0.8, 1.2, 0.9, 1.1, 1.0], [1.2, 0.8, 1.1, 0.9, 1.25]
@@ -443,7 +444,7 @@ def test_a_comparison_at_one_speed_of_the_machine_measures_out_the_machines_drif
         del r["metrics"]["probe_cpu_s"]
     write_results(tmp_path / "none", recs)
     assert "  - at one speed of the machine (" not in "\n".join(headline_section(load_mod.load(tmp_path / "none").runs))
-    assert math.isnan(speed.probe_seconds([{"metrics": {"probe_cpu_s": {"gemm": -1.0}}}])[0])
+    assert math.isnan(bench_speed.probe_seconds([{"metrics": {"probe_cpu_s": {"gemm": -1.0}}}])[0])
 
 
 def test_an_ablation_gives_its_ratio_at_one_speed_of_the_machine_too(tmp_path):

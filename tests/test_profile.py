@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench.profile.profiler import derive_profile, fit_affine, fit_linear_nonneg, load_profile
+from bench.speed import SpeedProbe
 from workloads.presets import MODULES, get_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +76,10 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     sole = corun["sole"]                                     # and with no other copy beside them
     assert sole["processes"] == corun["processes"] and sole["slowdown"] >= 1.0 and "oversubscribed" not in sole
     assert corun["pass_repeats"] > 1        # tiny's microbatches take well under CORUN_PASS_S: repeated
+    # the machine's speed: the fixed-work probe alone while the modules were timed, and by copies at once
+    assert set(p["probe_cpu_s"]) == set(SpeedProbe.KINDS) and min(p["probe_cpu_s"].values()) > 0
+    counts = {"1", str(corun["processes"]), str(2 * corun["processes"])}
+    assert set(corun["probe_cpu_s"]) == counts and all(min(k.values()) > 0 for k in corun["probe_cpu_s"].values())
     rounds = f"{ROUNDS} round{'' if ROUNDS == 1 else 's'} "         # "1 round of", "3 rounds of"
     assert rounds in corun["method"] and rounds in p["tp"]["method"]
     assert p["min_seconds"] == 0.5 and p["repeats"] == 1
@@ -340,6 +345,19 @@ def test_corun_slowdown_is_the_median_of_each_rounds_own_ratio():
     assert corun_slowdowns(raw, 2)["slowdown"] == pytest.approx(1.1)
     raw[0]["alone"] = [2.0, 2.0, 2.0]                   # below 1 is noise
     assert corun_slowdowns(raw, 2)["slowdown"] == 1.0
+
+
+def test_the_probe_under_corun_is_each_kinds_median_by_copies_at_once():
+    from bench.profile.tp import probe_under_corun
+    kinds = lambda t: {"gemm": t, "dispatch": t / 2, "memory": t / 4}
+    raw = [{"probe": {"alone": [kinds(1.0), kinds(3.0)] if r == 0 else [],
+                      "together": [kinds(2.0 + r)] if r < 2 else [], "oversubscribed": [kinds(4.0)]}}
+           for r in range(4)]
+    out = probe_under_corun(raw, 2)
+    assert out == {"1": kinds(2.0), "2": kinds(2.5), "4": kinds(4.0)}
+    raw = [{"probe": {"alone": [], "together": [{"gemm": 1.0}]}}]            # no whole probe: no count
+    assert probe_under_corun(raw, 2) == {}
+    assert probe_under_corun([{}], 2) == {}                                  # a profile from before the probe
 
 
 def test_corun_without_a_phase_of_two_per_core_reports_none():

@@ -12,6 +12,7 @@ import pytest
 from bench.config import config_key, resolve
 from bench.records import read_records
 from bench.run import machine
+from bench.speed import SpeedProbe
 from bench.run.sweep import interleaved, load_sweep
 from systems.base import ConfigError
 from tests.helpers import assert_step_phases
@@ -121,9 +122,9 @@ def test_run_repeat_appends_one_record_per_repeat(tmp_path):
             assert len(s["rank_data_wait_s"]) == 2 and max(s["rank_data_wait_s"]) == s["data_wait_s"]
         assert 0 <= m["rank_gc_share"] < 1 and m["rank_gc_max_s"] >= 0
         for s in r["steps"]:                # the fixed work timed on each rank after each step
-            assert set(s["rank_probe_cpu_s"]) == set(machine.SpeedProbe.KINDS)
+            assert set(s["rank_probe_cpu_s"]) == set(SpeedProbe.KINDS)
             assert all(len(v) == 2 and min(v) > 0 for v in s["rank_probe_cpu_s"].values())
-        assert set(m["probe_cpu_s"]) == set(machine.SpeedProbe.KINDS) and min(m["probe_cpu_s"].values()) > 0
+        assert set(m["probe_cpu_s"]) == set(SpeedProbe.KINDS) and min(m["probe_cpu_s"].values()) > 0
         assert_step_phases(r, 2)            # megatron splits each rank's step into its phases
 
 
@@ -132,9 +133,9 @@ def test_the_speed_probe_times_each_kind_of_work_in_cpu_seconds_and_only_on_one_
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        probe = machine.SpeedProbe()
+        probe = SpeedProbe()
         times = probe.run()
-        assert set(times) == set(machine.SpeedProbe.KINDS) and all(0 < t < 5 for t in times.values())
+        assert set(times) == set(SpeedProbe.KINDS) and all(0 < t < 5 for t in times.values())
         torch.set_num_threads(2)        # other threads' CPU time would be missed: no number at all
         assert probe.run() is None
     finally:

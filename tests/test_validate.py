@@ -79,7 +79,8 @@ def test_validation_appends_tagged_records_and_a_table(setup):
                                                / m["measured_iteration_time_s"])
     text = md.read_text()
     assert ("| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-            "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC %; kernel % |") in text
+            "| within spread | at the runs' speed s (error %) | other load % "
+            "| ranks' CPU / runqueue % (training, helpers); GC %; kernel % |") in text
     assert text.count("\n| megatron") == 1 and text.count("\n| disttrain") == 2
     # idempotent: a second pass with the same profile appends nothing
     validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
@@ -97,6 +98,67 @@ def test_report_section_pairs_simulated_with_measured(setup):
     assert "## Simulator validation" in text
     # one run per configuration: no noise to tell apart
     assert (table["noise %"] == 0).all() and "a model exact on average would read 0.0% off" in text
+
+
+def probed_profile() -> dict:
+    """synthetic_profile with the fixed-work probe timed alone while the modules were (8 ms) and
+    under co-runs of 1, 2 and 4 copies (10, 11, 12 ms)."""
+    kinds = lambda total: {"gemm": total / 2, "dispatch": total / 4, "memory": total / 4}
+    return {**synthetic_profile(), "probe_cpu_s": kinds(0.008),
+            "corun": {"slowdown": 1.0, "probe_cpu_s": {"1": kinds(0.010), "2": kinds(0.011), "4": kinds(0.012)}}}
+
+
+def test_a_profile_reads_the_probe_as_a_runs_ranks_would_have_while_it_timed_the_modules():
+    from bench.sim.validate import profile_probe_s
+    assert profile_probe_s(probed_profile(), 2) == pytest.approx(0.008 * 1.1)
+    assert profile_probe_s(probed_profile(), 4) == pytest.approx(0.008 * 1.2)
+    assert profile_probe_s(probed_profile(), 3) == pytest.approx(0.008 * 1.2)     # nearest count, the larger on a tie
+    assert profile_probe_s(probed_profile(), 16) == pytest.approx(0.008 * 1.2)
+    assert profile_probe_s(synthetic_profile(), 2) is None                          # profiled before the probe
+    no_alone = {**probed_profile(), "corun": {"probe_cpu_s": {"2": {"gemm": 0.01, "dispatch": 0.01, "memory": 0.01}}}}
+    assert profile_probe_s(no_alone, 2) is None
+
+
+def test_validation_brings_each_profile_to_each_runs_machine_speed(tmp_path):
+    """Repeats whose step time follows the probe exactly (slope -1): at the runs' speed the
+    simulated time follows it too, from the profile's probe under two ranks (8.8 ms)."""
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "cpu-tiny.json").write_text(json.dumps(probed_profile()))
+    results = tmp_path / "runs.jsonl"
+    probes = (0.008, 0.0088, 0.0096, 0.0104)
+    recs = [measured_record(system, 2, {}, base * p / 0.008, repeat=i + 1)
+            for system, base in (("megatron", 0.05), ("deepspeed", 0.06)) for i, p in enumerate(probes)]
+    for r, p in zip(recs, probes * 2):
+        r["metrics"]["probe_cpu_s"] = {"gemm": p / 2, "dispatch": p / 4, "memory": p / 4}
+    results.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows, md = validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
+    sims = {s["tags"]["measured_run_id"]: s for s in read_records(results) if s["mode"] == "simulated"}
+    for r, p in zip(recs, probes * 2):
+        m = sims[r["run_id"]]["metrics"]
+        assert m["profile_probe_s_by_profile"] == [pytest.approx(0.0088)]
+        assert m["iteration_time_s_at_run_speed"] == pytest.approx(m["iteration_time_s"] * p / 0.0088)
+    for row in rows:
+        assert row["at_speed_s"] == pytest.approx(row["simulated_s"] * 0.0092 / 0.0088)   # the median repeat's
+        assert row["at_speed_error_pct"] == pytest.approx(100 * (row["at_speed_s"] / row["measured_s"] - 1))
+    text = md.read_text()
+    assert "`tiny` slope -1.00 ± 0.00, R² 1.00 within configurations, 8 runs of 2 configurations" in text
+    assert "At the runs' speed: 2 configurations" in text
+    from analysis.load import load
+    from analysis.tables import validation_section, validation_table
+    table = validation_table(load(results.parent).runs)
+    assert dict(zip(table["system"], table["at the runs' speed s"])) == pytest.approx(
+        {row["system"]: row["at_speed_s"] for row in rows})
+    assert "At the runs' speed (each profile brought to each repeat's probe time" in "\n".join(
+        validation_section(load(results.parent).runs))
+    # a slope not told from zero brings nothing: the probe's spread is then its own noise
+    flat = [measured_record(r["system"], 2, {}, 0.05 + 0.01 * (i % 2), repeat=i + 1) for i, r in enumerate(recs)]
+    for r, p in zip(flat, probes * 2):
+        r["metrics"]["probe_cpu_s"] = {"gemm": p / 2, "dispatch": p / 4, "memory": p / 4}
+    results.write_text("".join(json.dumps(r) + "\n" for r in flat))
+    rows, md = validate(results, profile_dir=profiles, measure_missing=False, log=lambda *a: None)
+    assert all(row["at_speed_s"] is None for row in rows) and "At the runs' speed" not in md.read_text()
+    assert "not told from zero: not adjusted" in md.read_text()
 
 
 def test_repeats_are_one_configuration_with_a_spread(tmp_path):

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from bench.profile.fit import fit_affine
+from bench.speed import SpeedProbe
 from workloads.presets import MODULES
 
 
@@ -191,12 +192,14 @@ def run_joint_pass(built: dict, mb, timer, record=None) -> None:
             record[name]["bwd"].append(bwd)
 
 
-def time_modules(w, mbs_list, metas, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0):
+def time_modules(w, mbs_list, metas, device, dtype, repeats, seed, timer, tp: int = 1, min_seconds: float = 0.0,
+                 probes: list | None = None):
     """Per module and microbatch: median forward / backward seconds, forward + backward CPU seconds of
     the process (all its threads: gloo's too), activation memory, samples (at TP `tp`:
     every rank of the TP group calls this in lockstep). `metas`: the microbatches' samples in
     order (microbatches may differ in size). At least `repeats` passes, and more until the
-    passes took `min_seconds`."""
+    passes took `min_seconds`. `probes`: a list to append the machine's speed to after every pass
+    (bench.speed.SpeedProbe's CPU seconds; nothing where it cannot probe: more than one thread)."""
     built = build_modules(w, device, dtype, seed, tp)
     out = {n: {"fwd": [], "bwd": [], "cpu": [], "mem": [], "flops": [], "tokens": [], "calls": [], "samples": []}
            for n in MODULES}
@@ -213,11 +216,14 @@ def time_modules(w, mbs_list, metas, device, dtype, repeats, seed, timer, tp: in
     # took 13.5-29.7 ms over two minutes, in runs of fast and slow stretches ~10 s long), so a few
     # passes catch one stretch; the median over `min_seconds` of passes is the machine's typical speed.
     passes = [{n: {"fwd": [], "bwd": [], "cpu": []} for n in MODULES} for _ in mbs_dev]
+    probe = SpeedProbe() if probes is not None else None
     started, done = time.perf_counter(), 0
     while done < repeats or time.perf_counter() - started < min_seconds:
         for k, mb in enumerate(mbs_dev):
             run_pass(built, mb, timer, passes[k])
         done += 1
+        if probe is not None and (times := probe.run()) is not None:
+            probes.append(times)
     first = 0
     for k, mb in enumerate(mbs_dev):
         rec, mem = passes[k], memory[k]

@@ -64,6 +64,7 @@ from bench.profile.gemm import gemm_table
 from bench.profile.handoff import measure_handoff
 from bench.profile.measure import Timer, init_single_process, load_microbatches, time_modules, time_optimizer
 from bench.profile.tp import TP, measure_corun, measure_tp
+from bench.speed import median_probe
 from workloads.presets import MODULES
 
 __all__ = ["COMM_SIZES", "CPU_MAX_PARAMS", "MODULES", "PROFILE_DIR", "SCHEMA", "add_parser", "default_path",
@@ -142,8 +143,9 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         larger, larger_metas, *_ = load_microbatches(w, seed, SIZE_FACTOR * mbs, max(1, microbatches // SIZE_FACTOR),
                                                      root, num_samples)
         used = lambda bs, ms: ms[:sum(b.size for b in bs)]
+        probes = [] if device == "cpu" else None
         rec, params, built = time_modules(w, batches + larger, used(batches, metas) + used(larger, larger_metas),
-                                          dev, tdtype, repeats, seed, timer, min_seconds=min_seconds)
+                                          dev, tdtype, repeats, seed, timer, min_seconds=min_seconds, probes=probes)
         if device == "cpu":
             peaks.append(measure_cpu_matmul_flops(dtype=tdtype))
         peak_mem = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
@@ -163,6 +165,9 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         log(f"[profile]   {n:9s} fwd {m['forward_s_per_layer'] * 1e3:7.3f} ms/layer  bwd "
             f"{m['backward_s_per_layer'] * 1e3:7.3f} ms/layer  {m['achieved_flops'] / 1e9:6.2f} GFLOP/s  "
             f"efficiency {m['efficiency']:.2f}  act {m['activation_bytes'] / 2**20:.1f} MiB")
+    if probes:
+        log(f"[profile]   speed probe while timing, alone: {1e3 * sum(median_probe(probes).values()):.2f} CPU ms "
+            f"(median of {len(probes)})")
     gemm = (None if gemm_grid is None
             else gemm_table(gemm_grid or None, device=device, dtype=dtype, threads=threads, log=log))
     comm_result = systems = None
@@ -211,6 +216,10 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
         "peak_memory_bytes": int(peak_mem),
         "modules": modules, "optimizer": optim, "data": data_costs(w, metas, load_t, coll_t),
         "comm": comm_result, "systems": systems, "gemm": gemm, "tp": tp_result, "corun": corun,
+        # the machine's speed while the modules were timed, alone (corun.probe_cpu_s: under co-runs)
+        "probe_cpu_s": median_probe(probes or []),
+        "probe_method": ("bench.speed.SpeedProbe after every timed pass over the microbatches, in the profiling "
+                         "process alone; the median per kind over the passes"),
         "elapsed_s": elapsed,
     }
 
@@ -314,6 +323,9 @@ def _measure_corun(w, *, log, **kw) -> dict | None:
     log(f"[profile]   {out['processes']} copies side by side: {out['slowdown']:.3f}x the wall seconds of one alone; "
         f"{out['oversubscribed']['processes']} (two per core): {out['oversubscribed']['slowdown']:.3f}x; "
         f"{out['sole']['processes']} with no other copy beside them: {out['sole']['slowdown']:.3f}x")
+    if out.get("probe_cpu_s"):
+        log("[profile]   speed probe, CPU ms by copies at once: " + ", ".join(
+            f"{n}: {1e3 * sum(kinds.values()):.2f}" for n, kinds in out["probe_cpu_s"].items()))
     return out
 
 

@@ -75,6 +75,7 @@ from pathlib import Path
 
 from bench.profile.comm import run_processes
 from bench.profile.measure import Timer
+from bench.speed import SpeedProbe, median_probe
 from workloads.presets import MODULES
 
 TP = 2
@@ -91,6 +92,9 @@ CORUN_MICROBATCHES = 4   # a pass: the first of the profile's microbatches (smal
 # rounds of such passes read 1.16, 1.70 and 1.06 in three profiles of one sweep (5 Dec), whose
 # module rates agreed within 5%.
 CORUN_PASS_S = 1.0
+# Probes (bench.speed.SpeedProbe, ~8 ms each) the copies of a phase time at once after its pass:
+# the profile's probe time under as many processes as a run has ranks (probe_under_corun).
+PHASE_PROBES = 3
 # Rounds of (TP 1 pass, TP 2 pass) for the TP-2 speedup, the median of their own ratios (as the
 # co-run's): each timed apart from the other, minutes apart, drifted with the machine. A TP-2
 # pair in lockstep stalls whenever either rank loses its core, so its rounds scatter more than
@@ -245,7 +249,9 @@ def _corun_worker(rank: int, port: int, procs: int, total: int, workload: str, d
     core), `rounds` times over. Each process builds its modules once and every phase is one
     pass, so a round's phases follow each other within seconds and the machine's drift (correlated over ~12 s) stays
     out of the round's ratios. Each pass records its wall seconds and the CPU seconds of its
-    thread (corun_slowdowns). Each process is its own world of 1; the store only orders the phases."""
+    thread (corun_slowdowns); then, once every copy has passed a barrier, the phase's copies time
+    the fixed work of bench.speed.SpeedProbe at once, as a run's ranks do after each step. Each
+    process is its own world of 1; the store only orders the phases."""
     import torch
     import torch.distributed as dist
     from bench.profile.measure import build_modules, init_single_process, load_microbatches, run_pass
@@ -258,10 +264,11 @@ def _corun_worker(rank: int, port: int, procs: int, total: int, workload: str, d
     runs = {"alone": 1, "together": procs, **({"oversubscribed": total} if total > procs else {})}
     times: dict[str, list[float]] = {phase: [] for phase in runs}
     cpu: dict[str, list[float]] = {phase: [] for phase in runs}
+    probes: dict[str, list[dict]] = {phase: [] for phase in runs}
     try:
         w = get_workload(workload, data_profile)
         batches, *_ = load_microbatches(w, seed, w.micro_batch_size, microbatches, Path(data_root), num_samples)
-        built, timer = build_modules(w, dev, torch.float32, seed), _ThreadTimer(dev)
+        built, timer, probe = build_modules(w, dev, torch.float32, seed), _ThreadTimer(dev), SpeedProbe()
         for mb in batches:                       # warm-up (allocator, lazy inits), every process at once
             run_pass(built, mb, timer)
         _barrier(store, total, "size")
@@ -281,8 +288,10 @@ def _corun_worker(rank: int, port: int, procs: int, total: int, workload: str, d
                 run_pass(built, mb, timer, rec)
             times[phase].append(time.perf_counter() - started)
             cpu[phase].append(sum(sum(rec[n]["fwd"]) + sum(rec[n]["bwd"]) for n in MODULES))
+            _barrier(store, runs[phase], f"probe{i}")
+            probes[phase] += [t for t in (probe.run() for _ in range(PHASE_PROBES)) if t is not None]
         _barrier(store, total, "done")            # no copy exits while another still times a pass
-        Path(f"{out_file}.{rank}").write_text(json.dumps({**times, "cpu": cpu, "repeats": repeats}))
+        Path(f"{out_file}.{rank}").write_text(json.dumps({**times, "cpu": cpu, "probe": probes, "repeats": repeats}))
     finally:
         teardown()
         dist.destroy_process_group()
@@ -316,16 +325,25 @@ def corun_slowdowns(raw: list[dict], procs: int) -> dict:
     return out
 
 
+def probe_under_corun(raw: list[dict], procs: int) -> dict[str, dict]:
+    """{copies at once: each kind's median probe CPU seconds over the rounds and the copies}, from
+    _corun_worker's phases: 1 (alone), `procs` and 2 x `procs` (where measured)."""
+    counts = {"alone": 1, "together": procs, "oversubscribed": 2 * procs}
+    out = {str(n): median_probe([p for r in raw for p in (r.get("probe") or {}).get(phase, [])])
+           for phase, n in counts.items()}
+    return {n: kinds for n, kinds in out.items() if kinds}
+
+
 def measure_corun(workload: str, data_profile: str | None, *, seed: int, microbatches: int,
                   data_root: Path, num_samples: int, timeout: float = 600.0, rounds: int = CORUN_ROUNDS,
                   **_) -> dict:
     """{"processes", "seconds", "alone_seconds", "slowdown", "cpu_slowdown", "oversubscribed":
     {"processes", "seconds", "slowdown", "cpu_slowdown"}, "sole": {"processes", "seconds",
-    "alone_seconds", "slowdown", "cpu_slowdown"}, "method"}: wall seconds of one pass of the TP-1
+    "alone_seconds", "slowdown", "cpu_slowdown"}, "probe_cpu_s", "method"}: wall seconds of one pass of the TP-1
     modules with `processes` (= the cores, at most MAX_CORUN) copies at once, and with twice as
     many, against one copy alone, in `rounds` rounds (_corun_worker), the copies not in a phase
     idle beside it; "sole": the same `processes` copies at once with no other copy on the machine
-    (a launch of its own); slowdowns: corun_slowdowns."""
+    (a launch of its own); slowdowns: corun_slowdowns; probe_cpu_s: probe_under_corun."""
     procs = max(1, min(os.cpu_count() or 1, MAX_CORUN))
     micro = min(microbatches, CORUN_MICROBATCHES)
 
@@ -339,7 +357,7 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
     raw = launch(2 * procs)
     sole = launch(procs)
     return {**corun_slowdowns(raw, procs), "pass_repeats": raw[0]["repeats"],
-            "sole": corun_slowdowns(sole, procs),
+            "sole": corun_slowdowns(sole, procs), "probe_cpu_s": probe_under_corun(raw, procs),
             "method": (f"wall seconds of one pass over {micro} microbatches of the "
                        f"TP-1 modules' forwards and backwards (repeated pass_repeats times, to at least "
                        f"{CORUN_PASS_S:g} s alone), built once per process, alone (process 0), as {procs} "
@@ -348,4 +366,6 @@ def measure_corun(workload: str, data_profile: str | None, *, seed: int, microba
                        f"phases, the copies not in a phase idle beside it; sole: the same with only the {procs} "
                        f"copies on the machine (alone and together, a launch of its own); the median over the "
                        f"rounds of each round's slowest copy / alone; below 1 (noise) counts as 1; cpu_slowdown: "
-                       f"the same in CPU seconds (thread time), undivided")}
+                       f"the same in CPU seconds (thread time), undivided; probe_cpu_s: after each phase's pass "
+                       f"and a barrier, its copies time bench.speed.SpeedProbe {PHASE_PROBES} times at once, "
+                       f"the median per kind by copies at once")}

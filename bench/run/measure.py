@@ -79,7 +79,7 @@ def metrics_from_run(raw: dict, plan, layout) -> dict:
         metrics["rank_minor_faults_per_step"] = (sum(sum(s["rank_minor_faults"]) for s in measured)
                                                  / sum(len(s["rank_minor_faults"]) for s in measured))
     if all("rank_probe_cpu_s" in s for s in measured):
-        # the machine's speed over the run (bench.run.machine.SpeedProbe): CPU seconds of each kind
+        # the machine's speed over the run (bench.speed.SpeedProbe): CPU seconds of each kind
         # of fixed work, the median over steps of the ranks' mean
         metrics["probe_cpu_s"] = {k: statistics.median(statistics.fmean(s["rank_probe_cpu_s"][k]) for s in measured)
                                   for k in measured[0]["rank_probe_cpu_s"]}

@@ -45,7 +45,7 @@ def step_log(step: dict) -> dict:
     went (bench.sim.phases reads the same fields): each phase's slowest rank, the ranks' summed
     training-thread CPU, all-thread CPU and runqueue seconds in each phase, the slowest rank's
     data wait, and the machine's speed beside the step (the ranks' mean probe CPU seconds per
-    kind of fixed work: bench.run.machine.SpeedProbe)."""
+    kind of fixed work: bench.speed.SpeedProbe)."""
     out = {"loss": step["loss"], "lm_loss": step.get("lm_loss"), "gen_loss": step.get("gen_loss"),
            "step_time(s)": step["latency_s"], "data_wait(s)": step.get("data_wait_s")}
     for phase, per_rank in (step.get("rank_phase_s") or {}).items():

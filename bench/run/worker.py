@@ -23,6 +23,7 @@ import torch.distributed as dist
 from bench import heap
 from bench.config import RunConfig
 from bench.run import machine
+from bench.speed import SpeedProbe
 from bench.run.faults import Injector
 from bench.run.progress import NONFINITE_EXIT, Progress
 from bench.metrics import peak_flops_per_device
@@ -104,7 +105,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
     mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
     steps = []
     total = cfg.warmup + cfg.steps
-    machine_start, gc_clock, speed = None, machine.GcClock(), machine.SpeedProbe()
+    machine_start, gc_clock, speed = None, machine.GcClock(), SpeedProbe()
     for step in range(total):
         progress.beat("step", step)
         injector.before_step(step)
@@ -123,7 +124,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         kernel = [a - b for a, b in zip(machine.kernel_time(), kernel_before)]
         times = speed.run() or {}
         # the same names in the same order on every rank: _gather_named pairs values by position
-        probe = {k: times.get(k, -1.0) for k in machine.SpeedProbe.KINDS}           # -1: not probed
+        probe = {k: times.get(k, -1.0) for k in SpeedProbe.KINDS}           # -1: not probed
         # -1: not reported by this kernel
         sched = ([max(0.0, a - b) for a, b in zip(sched_after, sched_before)]
                  if sched_before and sched_after else [-1.0] * 3)
@@ -163,7 +164,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             entry["rank_sys_s"] = [r["sys"] for r in per_rank]
             entry["rank_minor_faults"] = [int(r["faults"]) for r in per_rank]
             if all(r[f"probe.{k}"] >= 0 for r in per_rank for k in probe):
-                # the same fixed work timed on every rank after the step (bench.run.machine.SpeedProbe)
+                # the same fixed work timed on every rank after the step (bench.run.SpeedProbe)
                 entry["rank_probe_cpu_s"] = {k: [r[f"probe.{k}"] for r in per_rank] for k in probe}
             for key in PHASE_TIMES:
                 # the system's own split of each rank's step (systems.base.STEP_PHASES): wall, the

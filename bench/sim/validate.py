@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench.bootstrap import noise_pct
 from bench.records import record_variant
+from bench.speed import SpeedFit, fit_slope, probe_seconds, probe_total
 
 GOAL_PCT = 10.0
 def simulatable(system: str) -> bool:
@@ -122,9 +123,49 @@ def measured_step_s(record: dict) -> float:
     return float(m) if m is not None else float(statistics.median(s["latency_s"] for s in record["steps"]))
 
 
-def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cores: int | None = None) -> dict:
+def profile_probe_s(profile: dict, processes: int) -> float | None:
+    """The probe CPU seconds `processes` processes probing at once would have read while the
+    profile timed its modules: the probe timed alone between the timed passes (probe_cpu_s), times
+    the co-run's probe with the nearest measured number of copies at once over its probe alone
+    (corun.probe_cpu_s: adjacent phases, so the machine's drift cancels); None for a profile
+    without them (older ones)."""
+    alone = probe_total(profile.get("probe_cpu_s"))
+    corun = {int(n): probe_total(kinds) for n, kinds in ((profile.get("corun") or {}).get("probe_cpu_s") or {}).items()}
+    corun = {n: t for n, t in corun.items() if t is not None}
+    if alone is None or 1 not in corun:
+        return None
+    nearest = min(corun, key=lambda n: (abs(n - processes), -n))
+    return alone * corun[nearest] / corun[1]
+
+
+def speed_fits(runs: list[dict]) -> dict[str, SpeedFit | None]:
+    """Per workload, the slope of log (1 / step time) on log probe seconds within the
+    configurations of its measured `runs` (bench.speed.fit_slope: the slope analysis.speed
+    adjusts comparisons with)."""
+    out = {}
+    for workload in sorted({r["workload"] for r in runs}):
+        own = [r for r in runs if r["workload"] == workload]
+        out[workload] = fit_slope([1.0 / measured_step_s(r) for r in own], probe_seconds(own),
+                                  [r.get("config_key") or r["run_id"] for r in own])
+    return out
+
+
+def at_run_speed(record: dict, by_profile: list[float], profile_probes: list, fit: SpeedFit | None) -> float | None:
+    """The simulated step time brought from each profile's machine speed to the run's: times
+    (run's probe / profile's probe)^-slope, the median over the profiles; None where the run or a
+    profile has no probe time, or the slope is not told from zero."""
+    run_probe = probe_total((record.get("metrics") or {}).get("probe_cpu_s"))
+    if (fit is None or not fit.told_from_zero or run_probe is None or not profile_probes
+            or any(p is None for p in profile_probes)):
+        return None
+    return float(statistics.median(s * (run_probe / p) ** -fit.slope for s, p in zip(by_profile, profile_probes)))
+
+
+def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cores: int | None = None,
+                      fit: SpeedFit | None = None) -> dict:
     """The measured `record` simulated on each of `profiles` ((profile, path) pairs of its workload):
-    a simulated record whose iteration time is the median over the profiles."""
+    a simulated record whose iteration time is the median over the profiles, and the same brought
+    to the run's machine speed with `fit` (at_run_speed)."""
     from bench.metrics import throughput
     from bench.records import build_record, new_run_id
     from bench.sim import costs as C
@@ -141,7 +182,11 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                     int(record["num_devices"]), float(record["metrics"].get("peak_flops_per_device")
                                                        or cluster.peak_flops))
     error = 100.0 * (sim_s - meas_s) / meas_s
+    probes = [profile_probe_s(p, int(record["num_devices"])) for p, _ in profiles]
+    at_speed = at_run_speed(record, by_profile, probes, fit)
     metrics = {**tp.as_dict(), "iteration_time_s": sim_s, "iteration_times_s": r["iteration_times_s"],
+               "profile_probe_s_by_profile": probes, "iteration_time_s_at_run_speed": at_speed,
+               "error_at_run_speed_pct": None if at_speed is None else 100.0 * (at_speed - meas_s) / meas_s,
                "bubble_fraction": r["bubble_fraction"], "per_gpu_memory_gib": r["per_gpu_memory_gib"],
                "measured_iteration_time_s": meas_s, "error_pct": error, "gpus_used": r["gpus_used"],
                "iteration_time_s_by_profile": by_profile,
@@ -167,8 +212,15 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                                 **{k: v for k, v in record["layout"].items() if k != "label"}},
                         config=config, env={"simulator": "bench.sim", "validated_against": "measured"},
                         tags={"experiment": "validation", "measured_run_id": record["run_id"],
-                              "profile_date": profiles_key(p for p, _ in profiles)},
+                              "profile_date": profiles_key(p for p, _ in profiles), "speed_fit": describe(fit)},
                         metrics=metrics, assumptions=assumptions)
+
+
+def describe(fit: SpeedFit | None) -> str:
+    """What brought a validation to its run's machine speed (a rerun with another fit redoes it)."""
+    if fit is None:
+        return "none: too few probed repeats, or the probe never moved"
+    return fit.describe() + ("" if fit.told_from_zero else "; not told from zero: not adjusted")
 
 
 def profiles_key(profiles) -> str:
@@ -202,6 +254,8 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
         sim_low, sim_high = (statistics.median(min(b) for b in by_profile),
                              statistics.median(max(b) for b in by_profile))
         median, low, high = statistics.median(measured), min(measured), max(measured)
+        at_speed = [s["metrics"].get("iteration_time_s_at_run_speed") for _, s in group]
+        at_speed = statistics.median(at_speed) if None not in at_speed else None
         shares = [m["metrics"].get("outside_cpu_share") for m, _ in group]
         shares = [x for x in shares if x is not None]
         meas = group[0][0]
@@ -215,13 +269,17 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
                      "spread_pct": 50.0 * (high - low) / median, "simulated_s": simulated,
                      "simulated_low_s": sim_low, "simulated_high_s": sim_high, "profiles": len(by_profile[0]),
                      "error_pct": 100.0 * (simulated - median) / median, "within_spread": low <= simulated <= high,
+                     "at_speed_s": at_speed,
+                     "at_speed_error_pct": None if at_speed is None else 100.0 * (at_speed - median) / median,
+                     "at_speed_within_spread": at_speed is not None and low <= at_speed <= high,
                      "noise_pct": noise_pct(measured),
                      "outside_cpu_share": statistics.median(shares) if shares else None,
                      **{k: statistics.median(v) if v else None for k, v in ranks.items()}})
     return rows
 
 
-def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: float = GOAL_PCT) -> str:
+def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: float = GOAL_PCT,
+             speed_fits: dict[str, str] | None = None) -> str:
     """The validation table: per measured configuration, the simulator against the median of its
     repeats and their spread; the summary counts configurations whose error lies within the spread."""
     lines = ["# Simulator validation", "",
@@ -234,26 +292,29 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "kernel's schedstat; the helpers' summed over them, so it can exceed 100%); GC = the share in "
              "Python's garbage collector; kernel = the share in the kernel (getrusage system time, page faults "
              "included); "
-             "with several profiles, simulated = the median over them (their range in brackets). The repeats' "
+             "with several profiles, simulated = the median over them (their range in brackets); at the runs' "
+             "speed = the same brought from each profile's machine speed to each repeat's (the fixed-work probe "
+             "timed in both, bench.speed; the slope of the workload's runs), the median over the repeats. The repeats' "
              "own noise (summary lines) = the mean |error| expected of a model exact on average, from each "
              "configuration's repeats (the mean |bootstrap median - median| / median): the floor of what these "
              "repeats can tell.", ""]
     if profiles:
         lines += ["Profiles: " + ", ".join(f"`{w}`: {p}" for w, p in sorted(profiles.items())), ""]
     lines += ["| system | workload | layout | nproc | repeats | measured median s | spread | simulated s | error % "
-              "| within spread | other load % | ranks' CPU / runqueue % (training, helpers); GC %; kernel % |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| within spread | at the runs' speed s (error %) | other load % "
+              "| ranks' CPU / runqueue % (training, helpers); GC %; kernel % |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         share = "?" if r.get("outside_cpu_share") is None else f"{100 * r['outside_cpu_share']:.0f}"
         lines.append(f"| {r['system']} | {r['workload']} | {r['layout']} | {r['nproc']} | {r['repeats']} | "
                      f"{r['measured_s']:.4g} | {r['measured_low_s']:.4g}..{r['measured_high_s']:.4g} "
                      f"(±{r['spread_pct']:.0f}%) | {r['simulated_s']:.4g}{_range(r)} | {r['error_pct']:+.1f} | "
-                     f"{'yes' if r['within_spread'] else 'no'} | {share} | {_rank_shares(r)} |")
+                     f"{'yes' if r['within_spread'] else 'no'} | {_at_speed(r)} | {share} | {_rank_shares(r)} |")
 
-    def stats(rs, what):
-        errs = [abs(r["error_pct"]) for r in rs]
+    def stats(rs, what, error="error_pct", within="within_spread"):
+        errs = [abs(r[error]) for r in rs]
         return (f"{what}: {len(rs)} configurations, mean |error| {statistics.fmean(errs):.1f}%, median "
-                f"{statistics.median(errs):.1f}%, max {max(errs):.1f}%; {sum(r['within_spread'] for r in rs)}/"
+                f"{statistics.median(errs):.1f}%, max {max(errs):.1f}%; {sum(r[within] for r in rs)}/"
                 f"{len(rs)} within the measured spread, {sum(e <= goal for e in errs)}/{len(rs)} within "
                 f"{goal:g}%; the repeats' own noise {statistics.fmean(r.get('noise_pct', 0.0) for r in rs):.1f}%."
                 ) if rs else f"{what}: none."
@@ -263,6 +324,16 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
             lines.append(stats([r for r in rows if r["workload"] == wl], f"`{wl}`"))
         repeated = [r for r in rows if r["repeats"] > 1]
         lines.append(stats(repeated, "Configurations measured more than once"))
+        adjusted = [r for r in rows if r["at_speed_error_pct"] is not None]
+        if adjusted:
+            lines += ["", stats(adjusted, "At the runs' speed", "at_speed_error_pct", "at_speed_within_spread"),
+                      stats(adjusted, "The same configurations as profiled")]
+            for wl in sorted({r["workload"] for r in adjusted}):
+                lines.append(stats([r for r in adjusted if r["workload"] == wl], f"`{wl}` at the runs' speed",
+                                   "at_speed_error_pct", "at_speed_within_spread"))
+        if speed_fits:
+            lines += ["", "Slopes (log 1/step s on log probe s, within configurations): " + "; ".join(
+                f"`{wl}` {text}" for wl, text in sorted(speed_fits.items()))]
     else:
         lines += ["", "No measured CPU run to validate against."]
     return "\n".join(lines) + "\n"
@@ -277,6 +348,12 @@ def _rank_shares(row: dict) -> str:
     if gc is not None or kernel is not None:
         out += "; ?" if gc is None else f"; {100 * gc:.1f}"
     return out + ("" if kernel is None else f"; {100 * kernel:.0f}")
+
+
+def _at_speed(row: dict) -> str:
+    if row.get("at_speed_s") is None:
+        return "-"
+    return f"{row['at_speed_s']:.4g} ({row['at_speed_error_pct']:+.1f})"
 
 
 def _range(row: dict) -> str:
@@ -305,10 +382,11 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     """Append validation records for the measured runs in `results`; write the Markdown table."""
     from bench.records import append_record, read_records
     records = read_records(results) if results.exists() else []
-    done = {(r["tags"].get("measured_run_id"), r["tags"].get("profile_date")) for r in records
-            if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation"}
+    done = {(r["tags"].get("measured_run_id"), r["tags"].get("profile_date"), r["tags"].get("speed_fit"))
+            for r in records if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation"}
     by_id = {r["run_id"]: r for r in records}
     runs = measured_runs(records)
+    fits = speed_fits(runs)
     profiles = {wl: get_profiles(wl, measure_missing, log, profile_dir) for wl in sorted({r["workload"] for r in runs})}
     latest: dict[str, dict] = {}
     for r in records:                         # the newest validation of each measured run, kept
@@ -319,10 +397,10 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
         if not profs:
             log(f"[validate] {rec['system']} {rec['layout'].get('label')}: no profile of {rec['workload']}, skipped")
             continue
-        if not force and (rec["run_id"], profiles_key(p for p, _ in profs)) in done:
+        if not force and (rec["run_id"], profiles_key(p for p, _ in profs), describe(fits[rec["workload"]])) in done:
             continue
         try:
-            sim = validation_record(rec, profs)
+            sim = validation_record(rec, profs, fit=fits[rec["workload"]])
         except (ValueError, KeyError) as e:
             log(f"[validate] {rec['system']} {rec['layout'].get('label')} ({rec['run_id']}): cannot simulate: {e}")
             continue
@@ -332,7 +410,8 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     rows = table_rows(pairs)
     out_md = out_md or results.parent / "validation.md"
     from bench.sim import phases
-    out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps})
+    out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps},
+                               speed_fits={wl: describe(f) for wl, f in fits.items()})
                       + phases.markdown(phases.phase_rows(by_configuration(pairs))))
     for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
