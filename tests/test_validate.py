@@ -109,14 +109,18 @@ def probed_profile() -> dict:
 
 
 def test_a_profile_reads_the_probe_as_a_runs_ranks_would_have_while_it_timed_the_modules():
-    from bench.sim.validate import profile_probe_s
-    assert profile_probe_s(probed_profile(), 2) == pytest.approx(0.008 * 1.1)
-    assert profile_probe_s(probed_profile(), 4) == pytest.approx(0.008 * 1.2)
-    assert profile_probe_s(probed_profile(), 3) == pytest.approx(0.008 * 1.2)     # nearest count, the larger on a tie
-    assert profile_probe_s(probed_profile(), 16) == pytest.approx(0.008 * 1.2)
-    assert profile_probe_s(synthetic_profile(), 2) is None                          # profiled before the probe
-    no_alone = {**probed_profile(), "corun": {"probe_cpu_s": {"2": {"gemm": 0.01, "dispatch": 0.01, "memory": 0.01}}}}
-    assert profile_probe_s(no_alone, 2) is None
+    from bench.sim.validate import corun_probe_ratios, profile_probe_s
+    other = probed_profile()
+    other["corun"]["probe_cpu_s"]["2"] = {"gemm": 0.007, "dispatch": 0.003, "memory": 0.003}   # 1.3x alone
+    old = synthetic_profile()                                                       # profiled before the probe
+    ratios = corun_probe_ratios([probed_profile(), probed_profile(), other, old])
+    assert ratios == pytest.approx({1: 1.0, 2: 1.1, 4: 1.2})           # the median over the profiles
+    assert profile_probe_s(other, 2, ratios) == pytest.approx(0.008 * 1.1)
+    assert profile_probe_s(other, 4, ratios) == pytest.approx(0.008 * 1.2)
+    assert profile_probe_s(other, 3, ratios) == pytest.approx(0.008 * 1.2)      # nearest count, the larger on a tie
+    assert profile_probe_s(other, 16, ratios) == pytest.approx(0.008 * 1.2)
+    assert profile_probe_s(old, 2, ratios) is None
+    assert profile_probe_s(other, 2, corun_probe_ratios([old])) is None          # no co-run timed the probe
 
 
 def test_validation_brings_each_profile_to_each_runs_machine_speed(tmp_path):
@@ -142,7 +146,9 @@ def test_validation_brings_each_profile_to_each_runs_machine_speed(tmp_path):
         assert row["at_speed_s"] == pytest.approx(row["simulated_s"] * 0.0092 / 0.0088)   # the median repeat's
         assert row["at_speed_error_pct"] == pytest.approx(100 * (row["at_speed_s"] / row["measured_s"] - 1))
     text = md.read_text()
-    assert "`tiny` slope -1.00 ± 0.00, R² 1.00 within configurations, 8 runs of 2 configurations" in text
+    assert "`tiny` slope -1.00 ± 0.00, R² 1.00 within configurations, 8 runs of 2 configurations." in text
+    assert "The probe by copies at once over alone in the profiles' co-runs (median over the profiles): 1: 1.000, " \
+           "2: 1.100, 4: 1.200." in text
     assert "At the runs' speed: 2 configurations" in text
     from analysis.load import load
     from analysis.tables import validation_section, validation_table

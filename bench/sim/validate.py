@@ -15,6 +15,14 @@ gets min(1, C / P) of a core, so compute runs max(1, P / C) times slower (disagg
 preprocessing workers count as busy only for their share of the step: processes_of). Nothing is
 fitted per record: every constant comes from the profiles.
 
+A profile's machine and a run's are the same machine at different speeds (it drifts by a quarter
+within minutes): both time the same fixed work (bench.speed.SpeedProbe), the profile alone
+between its timed passes and by copies at once in its co-run, the run on every rank after every
+step. So each simulation is also given at the run's speed (at_run_speed): each profile's time
+times (run's probe / profile's probe under as many ranks)^-slope, with the slope of log
+1 / step time on log probe time within the workload's configurations (the one analysis.speed
+adjusts comparisons with), where that slope is told from zero.
+
 Each simulation is appended as a record (mode "simulated", tags {"experiment": "validation",
 "measured_run_id": ...}) and `validation.md` beside the results file gets the table system,
 layout, nproc, measured iteration s, simulated s, error %.
@@ -123,19 +131,32 @@ def measured_step_s(record: dict) -> float:
     return float(m) if m is not None else float(statistics.median(s["latency_s"] for s in record["steps"]))
 
 
-def profile_probe_s(profile: dict, processes: int) -> float | None:
+def corun_probe_ratios(profiles) -> dict[int, float]:
+    """The probe's CPU seconds with n copies probing at once over its seconds alone (the co-runs'
+    probe_cpu_s: adjacent phases, so the machine's drift cancels), the median over `profiles`.
+    The probe is the same fixed work in every profile, so this is the machine's, not a workload's:
+    one profile's own ratio (3 probes in each of 7 rounds) scattered 1.03-1.16 for two copies in
+    twelve profiles of 7 Dec, where their median, 1.12, held the passes' disagreement lower
+    (docs/validation-log.md, 7 Dec 13:02)."""
+    ratios: dict[int, list[float]] = {}
+    for p in profiles:
+        corun = {int(n): probe_total(k) for n, k in ((p.get("corun") or {}).get("probe_cpu_s") or {}).items()}
+        if corun.get(1):
+            for n, t in corun.items():
+                if t is not None:
+                    ratios.setdefault(n, []).append(t / corun[1])
+    return {n: float(statistics.median(r)) for n, r in sorted(ratios.items())}
+
+
+def profile_probe_s(profile: dict, processes: int, ratios: dict[int, float]) -> float | None:
     """The probe CPU seconds `processes` processes probing at once would have read while the
     profile timed its modules: the probe timed alone between the timed passes (probe_cpu_s), times
-    the co-run's probe with the nearest measured number of copies at once over its probe alone
-    (corun.probe_cpu_s: adjacent phases, so the machine's drift cancels); None for a profile
-    without them (older ones)."""
+    the co-run ratio (corun_probe_ratios) of the nearest measured number of copies; None for a
+    profile without it (older ones)."""
     alone = probe_total(profile.get("probe_cpu_s"))
-    corun = {int(n): probe_total(kinds) for n, kinds in ((profile.get("corun") or {}).get("probe_cpu_s") or {}).items()}
-    corun = {n: t for n, t in corun.items() if t is not None}
-    if alone is None or 1 not in corun:
+    if alone is None or not ratios:
         return None
-    nearest = min(corun, key=lambda n: (abs(n - processes), -n))
-    return alone * corun[nearest] / corun[1]
+    return alone * ratios[min(ratios, key=lambda n: (abs(n - processes), -n))]
 
 
 def speed_fits(runs: list[dict]) -> dict[str, SpeedFit | None]:
@@ -162,10 +183,10 @@ def at_run_speed(record: dict, by_profile: list[float], profile_probes: list, fi
 
 
 def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cores: int | None = None,
-                      fit: SpeedFit | None = None) -> dict:
+                      fit: SpeedFit | None = None, ratios: dict[int, float] | None = None) -> dict:
     """The measured `record` simulated on each of `profiles` ((profile, path) pairs of its workload):
     a simulated record whose iteration time is the median over the profiles, and the same brought
-    to the run's machine speed with `fit` (at_run_speed)."""
+    to the run's machine speed with `fit` and the probe's co-run `ratios` (at_run_speed)."""
     from bench.metrics import throughput
     from bench.records import build_record, new_run_id
     from bench.sim import costs as C
@@ -182,7 +203,7 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                     int(record["num_devices"]), float(record["metrics"].get("peak_flops_per_device")
                                                        or cluster.peak_flops))
     error = 100.0 * (sim_s - meas_s) / meas_s
-    probes = [profile_probe_s(p, int(record["num_devices"])) for p, _ in profiles]
+    probes = [profile_probe_s(p, int(record["num_devices"]), ratios or {}) for p, _ in profiles]
     at_speed = at_run_speed(record, by_profile, probes, fit)
     metrics = {**tp.as_dict(), "iteration_time_s": sim_s, "iteration_times_s": r["iteration_times_s"],
                "profile_probe_s_by_profile": probes, "iteration_time_s_at_run_speed": at_speed,
@@ -212,15 +233,20 @@ def validation_record(record: dict, profiles: list[tuple[dict, str | None]], cor
                                 **{k: v for k, v in record["layout"].items() if k != "label"}},
                         config=config, env={"simulator": "bench.sim", "validated_against": "measured"},
                         tags={"experiment": "validation", "measured_run_id": record["run_id"],
-                              "profile_date": profiles_key(p for p, _ in profiles), "speed_fit": describe(fit)},
+                              "profile_date": profiles_key(p for p, _ in profiles),
+                              "speed_fit": describe(fit, ratios or {})},
                         metrics=metrics, assumptions=assumptions)
 
 
-def describe(fit: SpeedFit | None) -> str:
-    """What brought a validation to its run's machine speed (a rerun with another fit redoes it)."""
-    if fit is None:
-        return "none: too few probed repeats, or the probe never moved"
-    return fit.describe() + ("" if fit.told_from_zero else "; not told from zero: not adjusted")
+def describe(fit: SpeedFit | None, ratios: dict[int, float] | None = None) -> str:
+    """What brings a validation to its run's machine speed: the slope and, given `ratios`, the
+    probe's co-run ratios (a rerun with others redoes the validation)."""
+    text = ("none: too few probed repeats, or the probe never moved" if fit is None
+            else fit.describe() + ("" if fit.told_from_zero else "; not told from zero: not adjusted"))
+    if ratios is None:
+        return text
+    return text + ("; the probe by copies at once / alone " + ", ".join(f"{n}: {r:.3f}" for n, r in ratios.items())
+                   if ratios else "; no profile timed the probe")
 
 
 def profiles_key(profiles) -> str:
@@ -279,7 +305,7 @@ def table_rows(pairs: list[tuple[dict, dict]]) -> list[dict]:
 
 
 def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: float = GOAL_PCT,
-             speed_fits: dict[str, str] | None = None) -> str:
+             speed_fits: dict[str, str] | None = None, probe_ratios: dict[int, float] | None = None) -> str:
     """The validation table: per measured configuration, the simulator against the median of its
     repeats and their spread; the summary counts configurations whose error lies within the spread."""
     lines = ["# Simulator validation", "",
@@ -333,7 +359,10 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
                                    "at_speed_error_pct", "at_speed_within_spread"))
         if speed_fits:
             lines += ["", "Slopes (log 1/step s on log probe s, within configurations): " + "; ".join(
-                f"`{wl}` {text}" for wl, text in sorted(speed_fits.items()))]
+                f"`{wl}` {text}" for wl, text in sorted(speed_fits.items())) + "."]
+        if probe_ratios:
+            lines.append("The probe by copies at once over alone in the profiles' co-runs (median over the "
+                         "profiles): " + ", ".join(f"{n}: {r:.3f}" for n, r in probe_ratios.items()) + ".")
     else:
         lines += ["", "No measured CPU run to validate against."]
     return "\n".join(lines) + "\n"
@@ -388,6 +417,7 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     runs = measured_runs(records)
     fits = speed_fits(runs)
     profiles = {wl: get_profiles(wl, measure_missing, log, profile_dir) for wl in sorted({r["workload"] for r in runs})}
+    ratios = corun_probe_ratios(p for ps in profiles.values() for p, _ in ps)
     latest: dict[str, dict] = {}
     for r in records:                         # the newest validation of each measured run, kept
         if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation":
@@ -397,10 +427,11 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
         if not profs:
             log(f"[validate] {rec['system']} {rec['layout'].get('label')}: no profile of {rec['workload']}, skipped")
             continue
-        if not force and (rec["run_id"], profiles_key(p for p, _ in profs), describe(fits[rec["workload"]])) in done:
+        speed = describe(fits[rec["workload"]], ratios)
+        if not force and (rec["run_id"], profiles_key(p for p, _ in profs), speed) in done:
             continue
         try:
-            sim = validation_record(rec, profs, fit=fits[rec["workload"]])
+            sim = validation_record(rec, profs, fit=fits[rec["workload"]], ratios=ratios)
         except (ValueError, KeyError) as e:
             log(f"[validate] {rec['system']} {rec['layout'].get('label')} ({rec['run_id']}): cannot simulate: {e}")
             continue
@@ -411,7 +442,7 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     out_md = out_md or results.parent / "validation.md"
     from bench.sim import phases
     out_md.write_text(markdown(rows, {wl: ", ".join(path for _, path in ps) for wl, ps in profiles.items() if ps},
-                               speed_fits={wl: describe(f) for wl, f in fits.items()})
+                               speed_fits={wl: describe(f) for wl, f in fits.items()}, probe_ratios=ratios)
                       + phases.markdown(phases.phase_rows(by_configuration(pairs))))
     for row in sorted(rows, key=lambda r: (r["workload"], r["system"], r["nproc"], r["layout"])):
         log(f"[validate] {row['system']:9s} {row['workload']:5s} {row['layout']:38s} nproc {row['nproc']}: measured "
