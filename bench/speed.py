@@ -1,9 +1,10 @@
 """The machine's speed, measured beside the work: a fixed piece of work timed on every rank after
 every step (SpeedProbe), and the slope with which a configuration's samples/s follow it.
 
-The runs time it (bench.run.worker: metrics.probe_cpu_s), and so do the profiles, under the same
-number of processes probing at once (bench.profile.tp.measure_corun); analysis.speed brings runs
-to one speed of the machine with the slope, bench.sim.validate brings a profile to each run's.
+The runs time it on every rank after every step (bench.run.worker: metrics.probe_cpu_s); the
+profiles alone between their timed passes (bench.profile.measure.time_modules) and by copies at
+once in their co-run (bench.profile.tp.measure_corun). analysis.speed brings runs to one speed of
+the machine with the slope; bench.sim.validate brings each profile to each run's speed.
 """
 from __future__ import annotations
 
