@@ -21,7 +21,10 @@ between its timed passes and by copies at once in its co-run, the run on every r
 step. So each simulation is also given at the run's speed (at_run_speed): each profile's time
 times (run's probe / profile's probe under as many ranks)^-slope, with the slope of log
 1 / step time on log probe time within the workload's configurations (the one analysis.speed
-adjusts comparisons with), where that slope is told from zero.
+adjusts comparisons with), where that slope is told from zero. A diagnostic beside the raw
+error, not a replacement: it narrowed the disagreement between profile passes (15.2 -> 11.0
+points per configuration) but not the error, and the lone probe of a profile missed a slow state
+the runs' four busy ranks met minutes later (docs/validation-log.md, 7 Dec 13:02 and 14:14).
 
 Each simulation is appended as a record (mode "simulated", tags {"experiment": "validation",
 "measured_run_id": ...}) and `validation.md` beside the results file gets the table system,
