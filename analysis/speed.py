@@ -32,7 +32,6 @@ faster 70% of the time at one speed, 8% raw (600 trials).
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 

@@ -164,7 +164,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
             entry["rank_sys_s"] = [r["sys"] for r in per_rank]
             entry["rank_minor_faults"] = [int(r["faults"]) for r in per_rank]
             if all(r[f"probe.{k}"] >= 0 for r in per_rank for k in probe):
-                # the same fixed work timed on every rank after the step (bench.run.SpeedProbe)
+                # the same fixed work timed on every rank after the step (bench.speed.SpeedProbe)
                 entry["rank_probe_cpu_s"] = {k: [r[f"probe.{k}"] for r in per_rank] for k in probe}
             for key in PHASE_TIMES:
                 # the system's own split of each rank's step (systems.base.STEP_PHASES): wall, the
