@@ -297,7 +297,8 @@ def validation_section(runs: pd.DataFrame) -> list[str]:
         md += [f"At the runs' speed (each profile brought to each repeat's probe time, bench.sim.validate."
                f"at_run_speed): {len(adjusted)} configurations, mean |error| {at_speed.mean():.1f}% (as profiled: "
                f"{as_profiled.mean():.1f}%), max {at_speed.max():.1f}%, {int((at_speed <= 10).sum())}/{len(adjusted)} "
-               f"within 10%.", ""]
+               f"within 10%: a diagnostic of how much of an error is the profile's machine state, not a better "
+               f"estimate.", ""]
     return md
 
 

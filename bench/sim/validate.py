@@ -323,7 +323,10 @@ def markdown(rows: list[dict], profiles: dict[str, str] | None = None, goal: flo
              "included); "
              "with several profiles, simulated = the median over them (their range in brackets); at the runs' "
              "speed = the same brought from each profile's machine speed to each repeat's (the fixed-work probe "
-             "timed in both, bench.speed; the slope of the workload's runs), the median over the repeats. The repeats' "
+             "timed in both, bench.speed; the slope of the workload's runs), the median over the repeats: a "
+             "diagnostic of how much of an error is the profile's machine state, not a better estimate (a lone "
+             "probe in a profile misses states only busy ranks meet: docs/validation-log.md, 7 Dec 14:14). "
+             "The repeats' "
              "own noise (summary lines) = the mean |error| expected of a model exact on average, from each "
              "configuration's repeats (the mean |bootstrap median - median| / median): the floor of what these "
              "repeats can tell.", ""]
