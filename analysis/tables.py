@@ -241,7 +241,8 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
     by_profile = (sim.set_index("tags.measured_run_id")["metrics.iteration_time_s_by_profile"]
                   if "metrics.iteration_time_s_by_profile" in sim.columns else None)
     # brought to each run's machine speed (bench.sim.validate.at_run_speed); NaN where it was not
-    at_speed = sim.set_index("tags.measured_run_id").get("metrics.iteration_time_s_at_run_speed")
+    at_speed = sim.set_index("tags.measured_run_id").get("metrics.iteration_time_s_at_run_speed",
+                                                         pd.Series(np.nan, index=simulated.index)).astype(float)
     rows = []
     for _, g in meas.groupby(repeat_key(meas.reset_index()).to_numpy(), sort=False):
         times = g["step_time_s"].astype(float)
@@ -252,7 +253,7 @@ def validation_table(runs: pd.DataFrame) -> pd.DataFrame:
         span = (f"{np.median([min(b) for b in ranges]):.4g}..{np.median([max(b) for b in ranges]):.4g}"
                 if ranges else "")
         lo, hi = float(times.min()), float(times.max())
-        speed_s = at_speed.loc[g.index].astype(float) if at_speed is not None else pd.Series([np.nan])
+        speed_s = at_speed.loc[g.index]
         speed_s = float(speed_s.median()) if speed_s.notna().all() else np.nan
         first = g.iloc[0]
         layout = first["layout_label"] + run_variant(first["preprocess"], first["reorder"], first["clip_grad"])
