@@ -64,6 +64,10 @@ class RunConfig:
     # Seconds of 512x512 matmuls in each CPU peak FLOP/s measurement (run start and end, the MFU's
     # denominator); a GPU's peak is its datasheet's. The tests shorten it: it is ~1 s of a tiny launch.
     peak_flops_s: float = 0.5
+    # Every rank times a fixed piece of work after every step, outside the step's timing (~8 ms and
+    # 64 MiB of host memory a rank; bench.speed.SpeedProbe): the machine's speed, which the report
+    # brings comparisons to one of. false: no probe (the run then has no speed to be brought from).
+    speed_probe: bool = True
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict[str, Any] = field(default_factory=dict)   # system options (tp, pp, plan, ...)
@@ -239,6 +243,8 @@ def config_key(config: RunConfig | dict) -> str:
         d.pop("host_heap", None)      # added later: runs on glibc's default heap keep their config_key
     if d.get("peak_flops_s", RunConfig.peak_flops_s) == RunConfig.peak_flops_s:
         d.pop("peak_flops_s", None)   # added later: runs at the default measurement keep their config_key
+    if d.get("speed_probe", True):
+        d.pop("speed_probe", None)    # added later: probed runs keep their config_key
     try:
         adapter = get_system(d["system"])
     except (ConfigError, KeyError):   # a record of a system this process does not know

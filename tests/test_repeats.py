@@ -64,6 +64,17 @@ def test_the_peak_measurements_length_keeps_the_config_key_at_its_default_and_is
             resolve("megatron", "tiny", 2, {"peak_flops_s": bad})
 
 
+def test_switching_the_speed_probe_off_changes_the_config_key_but_leaving_it_on_does_not():
+    """speed_probe came on 7 Dec 2026: probed repeats recorded before keep their key."""
+    cfg, _ = resolve("megatron", "tiny", 2, {})
+    before = {k: v for k, v in cfg.to_dict().items() if k != "speed_probe"}
+    off, _ = resolve("megatron", "tiny", 2, {"speed_probe": "false"})
+    assert cfg.speed_probe is True and off.speed_probe is False
+    assert config_key(cfg) == config_key(before) != config_key(off)
+    with pytest.raises(ConfigError, match=r"speed_probe='sometimes': give true or false"):
+        resolve("megatron", "tiny", 2, {"speed_probe": "sometimes"})
+
+
 def test_sweep_repeats_are_interleaved(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text(TWO_ENTRIES)

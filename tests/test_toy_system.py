@@ -30,10 +30,13 @@ def test_toy_system_runs_simulates_validates_and_reports(tmp_path):
     env = {**os.environ, "BENCH_PLUGINS": "tests.toy_system", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     results = tmp_path / "runs.jsonl"
     _cli("bench", "run", "--system", "toy-ddp", "--workload", "tiny", "--nproc", "2", "--set", "steps=2",
-         "--set", "warmup=1", "--set", "peak_flops_s=0.1", "--results", str(results), env=env)
+         "--set", "warmup=1", "--set", "peak_flops_s=0.1", "--set", "speed_probe=false", "--results", str(results),
+         env=env)
     (measured,) = read_records(results)
     assert measured["status"] == "ok" and measured["layout"]["label"] == "dp2", measured["reason"]
     assert len(measured["steps"]) == 2 and all(s["loss"] > 0 for s in measured["steps"])
+    # no speed probe asked for: none timed, and validation and the report go on without one
+    assert "probe_cpu_s" not in measured["metrics"] and not any("rank_probe_cpu_s" in s for s in measured["steps"])
 
     out = _cli("bench", "simulate", "--system", "toy-ddp", "--workload", "small", "--gpus", "8", "--layout", "dp8",
                "--set", "global_batch_size=16", "--set", "num_batches=1", "--results", str(results), env=env)

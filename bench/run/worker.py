@@ -105,7 +105,8 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
     mark("setup")               # the system's imports (megatron-core, DeepSpeed), model, optimizer
     steps = []
     total = cfg.warmup + cfg.steps
-    machine_start, gc_clock, speed = None, machine.GcClock(), SpeedProbe()
+    machine_start, gc_clock = None, machine.GcClock()
+    speed = SpeedProbe() if cfg.speed_probe else None
     for step in range(total):
         progress.beat("step", step)
         injector.before_step(step)
@@ -122,7 +123,7 @@ def train(cfg: RunConfig, dataset: Path, out: Path, progress_dir: Path | None = 
         latency = time.perf_counter() - start
         sched_after, gc_step = machine.thread_times(), (gc_clock.seconds - gc_before[0], gc_clock.full - gc_before[1])
         kernel = [a - b for a, b in zip(machine.kernel_time(), kernel_before)]
-        times = speed.run() or {}
+        times = (speed.run() if speed else None) or {}
         # the same names in the same order on every rank: _gather_named pairs values by position
         probe = {k: times.get(k, -1.0) for k in SpeedProbe.KINDS}           # -1: not probed
         # -1: not reported by this kernel
