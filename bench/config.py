@@ -232,6 +232,12 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError("data.p_generation applies to data.webdataset only (a profile sets it for generated data)")
 
 
+# Fields added after repeats had been recorded, with the value every earlier run had: at that
+# value a config's key leaves them out, so those repeats keep their config_key (glibc's heap
+# released, the default peak measurement, the speed probe on).
+KEYED_ONLY_OFF_DEFAULT = {"host_heap": "release", "peak_flops_s": RunConfig.peak_flops_s, "speed_probe": True}
+
+
 def config_key(config: RunConfig | dict) -> str:
     """What ties the repeats of one configuration together: a hash of the resolved config
     without its tags (which say why it ran, not what ran)."""
@@ -239,12 +245,9 @@ def config_key(config: RunConfig | dict) -> str:
     d.pop("tags", None)
     if not d.get("fault"):
         d.pop("fault", None)          # added later: runs without a fault keep their config_key
-    if d.get("host_heap", "release") == "release":
-        d.pop("host_heap", None)      # added later: runs on glibc's default heap keep their config_key
-    if d.get("peak_flops_s", RunConfig.peak_flops_s) == RunConfig.peak_flops_s:
-        d.pop("peak_flops_s", None)   # added later: runs at the default measurement keep their config_key
-    if d.get("speed_probe", True):
-        d.pop("speed_probe", None)    # added later: probed runs keep their config_key
+    for name, before in KEYED_ONLY_OFF_DEFAULT.items():
+        if d.get(name, before) == before:
+            d.pop(name, None)
     try:
         adapter = get_system(d["system"])
     except (ConfigError, KeyError):   # a record of a system this process does not know
