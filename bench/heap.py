@@ -17,6 +17,16 @@ with 64-byte alignment (posix_memalign), whose chunks do not fit the blocks it f
 heap grows to several times the largest block before it reuses them (a 64 MiB tensor alone:
 0.6 GiB; the runs' peak RSS 0-21% more). So "release" stays the default, and `bench profile`
 runs on it.
+
+"keep" also holds the process to one malloc arena (M_ARENA_MAX = 1, as MALLOC_ARENA_MAX=1 would),
+set before torch.distributed starts its threads. glibc gives each new thread an arena of its own
+(up to 8 per core), grown in heaps of at most 64 MiB; a larger block there is mapped on its own
+whatever M_MMAP_MAX says (sysmalloc's fallback) and unmapped when freed, so it faults in afresh
+every time: on this VM's glibc 2.36 a thread that allocates and frees a 96 MiB tensor faults all
+its pages in every one of 16 rounds with trimming off alone, in none after the 10th with one arena
+(tests/test_heap.py). The runs met it: DeepSpeed's last rank took 38,000-45,000 faults in its
+gradient flush with "keep" alone, 0 with one arena too, and its flush halved (7 Dec 22:47-23:25,
+docs/validation-log.md). Records before 8 Dec whose host_heap is "keep" had no arena limit.
 """
 from __future__ import annotations
 
@@ -27,12 +37,13 @@ HEAP_CHOICES = ("keep", "release")
 DEFAULT_HEAP = "release"
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
 def apply(policy: str) -> bool:
     """Set this process's heap to `policy` (HEAP_CHOICES); True when it holds. "release" leaves
-    the allocator as it is; "keep" needs glibc (elsewhere: False, and nothing changes)."""
+    the allocator as it is; "keep" needs glibc (elsewhere: False, and nothing changes) and holds
+    fully only when called before the process starts threads: a thread's existing arena stays."""
     if policy not in HEAP_CHOICES:
         raise ValueError(f"host_heap={policy!r}; choose one of {HEAP_CHOICES}")
     if policy == "release":
@@ -42,4 +53,5 @@ def apply(policy: str) -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
+    return all(mallopt(param, value) for param, value in
+               ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1), (_M_ARENA_MAX, 1)))
