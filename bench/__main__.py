@@ -87,6 +87,10 @@ def _dispatch(args) -> int:
     from bench import records
     from bench.run import runner
     results = args.results or runner.DEFAULT_RESULTS
+    if args.command in ("run", "sweep") and results.suffix != ".jsonl":
+        # a resumed sweep and the report read the *.jsonl files of the folder: another name is never read
+        raise ConfigError(f"--results {results}: name the file *.jsonl (a resumed sweep and `python -m analysis "
+                          f"report` read the *.jsonl files of its folder)")
     if args.command in ("run", "sweep") and not getattr(args, "dry_run", False) and records.unwritable(results):
         raise ConfigError(records.unwritable(results))
     if args.command == "run":

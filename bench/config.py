@@ -58,8 +58,8 @@ class RunConfig:
     timeout_s: int = 900               # no progress this long ends the run (and a collective times out)
     # Fault injection for the failure tests, off when empty: KIND@RANK:STEP (FaultSpec).
     fault: str = ""
-    # What the processes' C heap does with freed memory: release it to the OS, glibc's default
-    # (faulted in again the next step), or keep it, as a GPU's caching allocator does (bench.heap).
+    # What the processes' C heap does with freed memory: keep it, as a GPU's caching allocator does
+    # (the default), or release it to the OS, glibc's own (faulted in again the next step): bench.heap.
     host_heap: str = DEFAULT_HEAP
     # Seconds of 512x512 matmuls in each CPU peak FLOP/s measurement (run start and end, the MFU's
     # denominator); a GPU's peak is its datasheet's. The tests shorten it: it is ~1 s of a tiny launch.
@@ -234,7 +234,8 @@ def _check(cfg: RunConfig) -> None:
 
 # Fields added after repeats had been recorded, with the value every earlier run had: at that
 # value a config's key leaves them out, so those repeats keep their config_key (glibc's heap
-# released, the default peak measurement, the speed probe on).
+# released, the default peak measurement, the speed probe on). A kept heap, the default since
+# 8 Dec, is keyed: its runs are not repeats of the earlier ones.
 KEYED_ONLY_OFF_DEFAULT = {"host_heap": "release", "peak_flops_s": RunConfig.peak_flops_s, "speed_probe": True}
 
 

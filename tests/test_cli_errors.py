@@ -64,6 +64,16 @@ def test_unwritable_results_is_one_line_before_launch(tmp_path):
     assert len(lines) == 1 and "cannot be created" in lines[0] and "[bench]" not in proc.stdout
 
 
+def test_results_not_named_jsonl_is_one_line_before_anything(tmp_path, capsys):
+    from bench.__main__ import main
+    results = tmp_path / "runs"                 # a resumed sweep would never read it back
+    assert main(["run", "--system", "megatron", "--workload", "tiny", "--results", str(results)]) == 2
+    assert main(["sweep", str(tmp_path / "s.toml"), "--dry-run", "--results", str(results)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("name the file *.jsonl" in line for line in lines), lines
+    assert not results.exists()
+
+
 def test_sweep_finishes_after_a_failure_summarizes_and_exits_nonzero(tmp_path):
     sweep = tmp_path / "s.toml"
     # Each run fails while it starts up (no progress within timeout_s=1: ~4 s a launch, a fault at a

@@ -5,6 +5,7 @@ import json
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,39 @@ print(json.dumps(faults))
 THREAD_PAGES = (96 << 20) // 4096
 
 
+# A profile's measurement process (bench.profile.comm.run_processes) doing the same.
+_PROFILE_PROCESS = """
+import json, sys, tempfile
+from pathlib import Path
+from bench import heap
+from bench.profile.comm import run_processes
+from tests.test_heap import thread_rounds_worker
+assert heap.apply(sys.argv[1])
+with tempfile.TemporaryDirectory() as tmp:
+    print(json.dumps(run_processes(thread_rounds_worker, (), Path(tmp) / "out.json", "rounds", nprocs=1)))
+"""
+
+
+def thread_rounds_worker(rank: int, port: int, out: str) -> None:
+    import resource
+    import threading
+
+    import torch
+    faults = []
+
+    def rounds():
+        for _ in range(16):
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            x = torch.empty(24 << 20)
+            x.fill_(1.0)
+            del x
+            faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    thread = threading.Thread(target=rounds)
+    thread.start()
+    thread.join()
+    Path(out).write_text(json.dumps(faults))
+
+
 def _faults(policy: str, script: str = _ROUNDS) -> list[int]:
     out = subprocess.run([sys.executable, "-c", script, policy], capture_output=True, text=True, check=True,
                          cwd=environment.REPO)
@@ -75,6 +109,14 @@ def test_a_kept_heap_stops_faulting_in_a_thread_too():
     assert kept[0] > 0.4 * THREAD_PAGES and sum(kept[-4:]) < 0.05 * THREAD_PAGES
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_profiles_processes_start_on_its_heap():
+    # on glibc's own heap the child would fault every round (the test above)
+    kept = _faults("keep", _PROFILE_PROCESS)
+    assert kept[0] > 0.4 * THREAD_PAGES and sum(kept[-4:]) < 0.05 * THREAD_PAGES
+
+
 def test_an_unknown_heap_policy_is_refused():
     with pytest.raises(ValueError, match="host_heap='mine'"):
         heap.apply("mine")
@@ -82,9 +124,9 @@ def test_an_unknown_heap_policy_is_refused():
         resolve("megatron", "tiny", 2, {"host_heap": "mine"})
 
 
-def test_runs_on_glibcs_default_heap_keep_their_config_key():
-    released, _ = resolve("megatron", "tiny", 2, {})
-    kept, _ = resolve("megatron", "tiny", 2, {"host_heap": "keep"})
-    assert released.host_heap == heap.DEFAULT_HEAP == "release"
+def test_runs_on_glibcs_own_heap_keep_their_config_key_and_kept_ones_are_keyed_apart():
+    kept, _ = resolve("megatron", "tiny", 2, {})
+    released, _ = resolve("megatron", "tiny", 2, {"host_heap": "release"})
+    assert kept.host_heap == heap.DEFAULT_HEAP == "keep"
     before = {k: v for k, v in released.to_dict().items() if k != "host_heap"}   # a record from before the key
     assert config_key(released) == config_key(before) != config_key(kept)

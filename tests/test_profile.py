@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench import heap
 from bench.profile.profiler import derive_profile, fit_affine, fit_linear_nonneg, load_profile
 from bench.speed import SpeedProbe
 from workloads.presets import MODULES, get_workload
@@ -40,6 +41,7 @@ def test_tiny_profile_has_positive_per_module_costs(tiny_profile):
     p = load_profile(tiny_profile)
     assert p["derived"] is False and p["hardware"]["device"] == "cpu" and p["workload"] == "tiny"
     assert p["versions"]["torch"] and p["date"] and p["peak_flops"] > 0 and "measured" in p["peak_flops_source"]
+    assert p["hardware"]["host_heap"] == heap.DEFAULT_HEAP                 # the runs' heap, unless told otherwise
     for n in MODULES:
         m = p["modules"][n]
         assert m["forward_s_per_layer"] > 0 and m["backward_s_per_layer"] > 0

@@ -7,6 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench import heap
 from bench.profile.fit import fit_message_times
 
 COMM_SIZES = (256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)   # bytes (64 MiB: a whole small-model buffer)
@@ -63,15 +64,16 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core.models.gpt",
 
 
 def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, timeout: float = 60.0) -> dict | None:
-    """Spawn `nprocs` local processes of `worker(rank, port, *args, out_file)`; returns the JSON rank 0
-    wrote to `out` (None if it wrote none). A timeout or a failed process is a RuntimeError naming `what`."""
+    """Spawn `nprocs` local processes of `worker(rank, port, *args, out_file)`, on this process's heap
+    policy; returns the JSON rank 0 wrote to `out` (None if it wrote none). A timeout or a failed
+    process is a RuntimeError naming `what`."""
     import multiprocessing
 
     import torch.multiprocessing as mp
     from bench.environment import free_port
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)     # takes effect when the server starts
-    ctx = mp.start_processes(worker, args=(free_port(), *args, str(out)), nprocs=nprocs, join=False,
-                             start_method="forkserver")
+    ctx = mp.start_processes(_on_heap, args=(worker, heap.current(), free_port(), *args, str(out)), nprocs=nprocs,
+                             join=False, start_method="forkserver")
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=1.0):
@@ -82,6 +84,13 @@ def run_processes(worker, args: tuple, out: Path, what: str, nprocs: int = 2, ti
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         raise RuntimeError(f"{what} failed: {e}") from None
     return json.loads(out.read_text()) if out.exists() else None
+
+
+def _on_heap(rank: int, worker, policy: str, *args) -> None:
+    """`worker` on this process's heap policy (bench.heap), set before the worker starts gloo's
+    threads: the processes a profile measures hold the heap its caller chose, as a run's ranks do."""
+    heap.apply(policy)
+    worker(rank, *args)
 
 
 def measure_p2p_one_way(nbytes: int, iters: int, timeout: float = 60.0) -> float:

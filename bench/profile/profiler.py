@@ -11,7 +11,9 @@ average is recorded). Per-layer times are the module's time divided by
 its layers (so they include the module's embeddings / projector / logits). Model FLOPs
 come from workloads.flops; achieved FLOP/s = FLOPs / (forward + backward); efficiency =
 achieved / peak, with the CPU peak measured here by bench.metrics.measure_cpu_matmul_flops
-(the same measurement the runs record) and a GPU's from bench.metrics.PEAK_FLOPS.
+(the same measurement the runs record) and a GPU's from bench.metrics.PEAK_FLOPS. This process
+and every process it starts hold the runs' C heap (--host-heap, bench.heap; recorded under
+hardware.host_heap), which moves a step's page faults.
 
 Also measured, for the simulator's CPU cluster (bench.sim.cluster.cluster_from_profile):
   * a fit time = overhead x calls + FLOPs / rate of each module's forward + backward (a call:
@@ -52,7 +54,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import environment
+from bench import environment, heap
 from bench.profile.bridge import measure_bridge
 from bench.profile.comm import COMM_SIZES, measure_comm, run_processes
 from bench.profile.dp_groups import measure_dp_groups
@@ -91,10 +93,12 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                      dtype: str | None = None, threads: int = 1, microbatches: int = 8, repeats: int = 3,
                      seed: int = 1234, data_root: Path | str = "data", num_samples: int = 256,
                      comm: bool = True, gemm_grid=(), tp: bool = True, min_seconds: float = DEFAULT_MIN_SECONDS,
-                     dp_processes: int = 4, rounds: int | None = None, log=print) -> dict:
+                     dp_processes: int = 4, rounds: int | None = None, host_heap: str = heap.DEFAULT_HEAP,
+                     log=print) -> dict:
     """Measure one workload on the hardware present; returns the profile dict (see module doc).
     gemm_grid: per-axis sizes of the GEMM table, () for the device's default, None for none.
-    rounds: of the TP-2 and co-run measurements (None: bench.profile.tp's TP_ROUNDS, CORUN_ROUNDS)."""
+    rounds: of the TP-2 and co-run measurements (None: bench.profile.tp's TP_ROUNDS, CORUN_ROUNDS).
+    host_heap: this process's heap and its measurement processes' (bench.heap), as the runs'."""
     import torch
     from bench.metrics import PEAK_FLOPS, accelerator_key, measure_cpu_matmul_flops
     from workloads.flops import parameter_counts
@@ -108,6 +112,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
                          f"derive it: --spec H100-SXM --efficiency-from results/profiles/cpu-small.json")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no GPU is visible")
+    if not heap.apply(host_heap):
+        log(f"[profile] host_heap={host_heap} needs glibc's malloc; this process keeps its allocator's default")
     torch.set_num_threads(threads)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -196,7 +202,8 @@ def profile_workload(workload: str, *, data_profile: str | None = None, device: 
     return {
         "schema": SCHEMA, "derived": False, "workload": w.name, "data_profile": w.data_profile.name,
         "hardware": {"key": hardware_key(device), "device": device, "name": hw_name, "cpu": environment._cpu_model(),
-                     "cpu_count": os.cpu_count(), "machine": platform.machine(), "threads_per_process": threads},
+                     "cpu_count": os.cpu_count(), "machine": platform.machine(), "threads_per_process": threads,
+                     "host_heap": heap.current()},
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "versions": versions(),
         "dtype": dtype, "micro_batch_size": mbs, "seed": seed, "dataset": str(ds_path.name),
         "microbatches": len(batches), "repeats": repeats, "min_seconds": min_seconds,
@@ -341,6 +348,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the runs use 1 per process)")
+    p.add_argument("--host-heap", choices=heap.HEAP_CHOICES, default=heap.DEFAULT_HEAP,
+                   help=f"the processes' C heap, as the runs' --set host_heap (bench.heap; default "
+                        f"{heap.DEFAULT_HEAP})")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=DEFAULT_MIN_SECONDS,
@@ -395,7 +405,7 @@ def handle(args, results_path) -> int:
                                     repeats=args.repeats, comm=not args.no_comm,
                                     gemm_grid=None if args.no_gemm else grid, tp=not args.no_tp,
                                     min_seconds=args.min_seconds, dp_processes=args.dp_processes,
-                                    rounds=args.rounds)
+                                    rounds=args.rounds, host_heap=args.host_heap)
     except (ValueError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -424,6 +424,12 @@ def validate(results: Path, out_md: Path | None = None, measure_missing: bool = 
     fits = speed_fits(runs)
     profiles = {wl: get_profiles(wl, measure_missing, log, profile_dir) for wl in sorted({r["workload"] for r in runs})}
     ratios = corun_probe_ratios(p for ps in profiles.values() for p, _ in ps)
+    for wl, ps in profiles.items():
+        ran = sorted({r["config"].get("host_heap", "release") for r in runs if r["workload"] == wl})
+        timed = sorted({p["hardware"].get("host_heap", "release") for p, _ in ps})   # before 8 Dec: glibc's
+        if ran != timed:
+            log(f"[validate] {wl}: the runs' host_heap {'/'.join(ran)}, its profiles' {'/'.join(timed)}: the heap "
+                f"moves a step's page faults (bench/heap.py); profile with --host-heap as the runs ran")
     latest: dict[str, dict] = {}
     for r in records:                         # the newest validation of each measured run, kept
         if r["mode"] == "simulated" and r["tags"].get("experiment") == "validation":
