@@ -29,41 +29,31 @@ print(json.dumps(faults))
 """
 PAGES = (64 << 20) // 4096
 
-# The same in a thread, 96 MiB 16 times: glibc would give the thread an arena of its own.
+# The same in a thread, 96 MiB 16 times (thread_faults): glibc would give the thread an arena of its own.
 _THREAD_ROUNDS = """
-import json, resource, sys, threading, torch
+import json, sys
 from bench import heap
+from tests.test_heap import thread_faults
 assert heap.apply(sys.argv[1])
-faults = []
-def rounds():
-    for _ in range(16):
-        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        x = torch.empty(24 << 20)
-        x.fill_(1.0)
-        del x
-        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
-thread = threading.Thread(target=rounds)
-thread.start()
-thread.join()
-print(json.dumps(faults))
+print(json.dumps(thread_faults()))
 """
 THREAD_PAGES = (96 << 20) // 4096
 
-
-# A profile's measurement process (bench.profile.comm.run_processes) doing the same.
+# And in a profile's measurement process (bench.profile.comm.run_processes), on the caller's heap.
 _PROFILE_PROCESS = """
 import json, sys, tempfile
 from pathlib import Path
 from bench import heap
 from bench.profile.comm import run_processes
-from tests.test_heap import thread_rounds_worker
+from tests.test_heap import thread_faults_worker
 assert heap.apply(sys.argv[1])
 with tempfile.TemporaryDirectory() as tmp:
-    print(json.dumps(run_processes(thread_rounds_worker, (), Path(tmp) / "out.json", "rounds", nprocs=1)))
+    print(json.dumps(run_processes(thread_faults_worker, (), Path(tmp) / "out.json", "rounds", nprocs=1)))
 """
 
 
-def thread_rounds_worker(rank: int, port: int, out: str) -> None:
+def thread_faults() -> list[int]:
+    """Minor faults of each of 16 rounds of allocating, touching and freeing 96 MiB in a new thread."""
     import resource
     import threading
 
@@ -80,7 +70,11 @@ def thread_rounds_worker(rank: int, port: int, out: str) -> None:
     thread = threading.Thread(target=rounds)
     thread.start()
     thread.join()
-    Path(out).write_text(json.dumps(faults))
+    return faults
+
+
+def thread_faults_worker(rank: int, port: int, out: str) -> None:
+    Path(out).write_text(json.dumps(thread_faults()))
 
 
 def _faults(policy: str, script: str = _ROUNDS) -> list[int]:
